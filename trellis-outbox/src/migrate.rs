@@ -1,0 +1,322 @@
+//! Versioned, checksummed schema migrations, compatible with Trellis' migration artifacts.
+
+use std::fmt::Write as _;
+
+use crate::error::Result;
+use crate::tables::{Dialect, OutboxTables};
+
+/// The bookkeeping table [`migrate`](crate::migrate()) records applied migrations in.
+pub const MIGRATIONS_TABLE: &str = "trellis_outbox_migrations";
+
+/// One versioned schema change (Trellis' `SqlOutboxMigration`, spec §B.3).
+///
+/// Version 1 is upstream Trellis 0.11's DDL byte for byte, with its id and checksum, so a
+/// database prepared by the TypeScript service is recognised as migrated. Later versions are
+/// additive and never change an earlier version's text or checksum.
+///
+/// # Examples
+///
+/// ```
+/// use trellis_outbox::{migrations, Dialect, OutboxTables};
+///
+/// let v1 = &migrations(Dialect::Sqlite, &OutboxTables::default())[0];
+/// assert_eq!(v1.id, "trellis_sql_outbox_inbox_sqlite_v1");
+/// assert_eq!(v1.version, 1);
+/// assert_eq!(v1.checksum, "fnv1a64:8178e5295d0acfeb");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SqlOutboxMigration {
+    /// Stable id, e.g. `trellis_sql_outbox_inbox_postgres_v1`.
+    pub id: String,
+    /// Monotonic schema version, starting at 1.
+    pub version: u32,
+    /// The dialect the statements are written in.
+    pub dialect: Dialect,
+    /// Statements that apply the migration, without trailing semicolons.
+    pub up: Vec<String>,
+    /// Statements that revert it.
+    pub down: Vec<String>,
+    /// `fnv1a64:` + the hash of the canonical text (spec §B.4).
+    pub checksum: String,
+}
+
+impl SqlOutboxMigration {
+    fn new(id: String, version: u32, dialect: Dialect, up: Vec<String>, down: Vec<String>) -> Self {
+        let checksum = checksum(&up, &down);
+        Self {
+            id,
+            version,
+            dialect,
+            up,
+            down,
+            checksum,
+        }
+    }
+
+    /// The `up` statements as a script, one `;`-terminated statement per line, headed by a
+    /// comment naming the migration: ready to paste into sqlx-cli, refinery or any other
+    /// migration tool.
+    pub fn up_script(&self) -> String {
+        script(self, "up", &self.up)
+    }
+
+    /// The `down` statements as a script.
+    pub fn down_script(&self) -> String {
+        script(self, "down", &self.down)
+    }
+}
+
+fn script(m: &SqlOutboxMigration, direction: &str, statements: &[String]) -> String {
+    let mut out = format!(
+        "-- {} ({direction}), version {}, {}\n",
+        m.id, m.version, m.checksum
+    );
+    for statement in statements {
+        let _ = writeln!(out, "{statement};");
+    }
+    out
+}
+
+/// All migrations for `dialect` on `tables`, in version order (Trellis'
+/// `getSqlOutboxMigrations`).
+///
+/// # Examples
+///
+/// ```
+/// use trellis_outbox::{migrations, Dialect, OutboxTables};
+///
+/// let tables = OutboxTables::new("service_outbox", "service_inbox")?;
+/// let v1 = &migrations(Dialect::Sqlite, &tables)[0];
+/// assert!(v1.up[0].starts_with("CREATE TABLE IF NOT EXISTS service_outbox (id TEXT PRIMARY KEY"));
+/// assert_eq!(v1.down[2], "DROP TABLE IF EXISTS service_outbox");
+/// # Ok::<(), trellis_outbox::Error>(())
+/// ```
+pub fn migrations(dialect: Dialect, tables: &OutboxTables) -> Vec<SqlOutboxMigration> {
+    vec![v1(dialect, tables)]
+}
+
+/// Every migration's `up` script for `dialect` on `tables`, concatenated in version order.
+///
+/// ```
+/// use trellis_outbox::{migration_script, Dialect, OutboxTables};
+///
+/// let sql = migration_script(Dialect::Postgres, &OutboxTables::default());
+/// assert!(sql.contains("headers jsonb NOT NULL"));
+/// assert!(sql.contains("CREATE INDEX IF NOT EXISTS trellis_outbox_due_idx ON trellis_outbox (state, next_attempt_at);"));
+/// ```
+pub fn migration_script(dialect: Dialect, tables: &OutboxTables) -> String {
+    migrations(dialect, tables)
+        .iter()
+        .map(SqlOutboxMigration::up_script)
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn v1(dialect: Dialect, tables: &OutboxTables) -> SqlOutboxMigration {
+    let (o, i) = (tables.outbox(), tables.inbox());
+    let up = match dialect {
+        Dialect::Sqlite => vec![
+            format!(
+                "CREATE TABLE IF NOT EXISTS {o} (id TEXT PRIMARY KEY, kind TEXT NOT NULL, name TEXT NOT NULL, subject TEXT NOT NULL, payload TEXT NOT NULL, headers TEXT NOT NULL, state TEXT NOT NULL, attempts INTEGER NOT NULL, created_at TEXT NOT NULL, updated_at TEXT NOT NULL, next_attempt_at TEXT, last_error TEXT, outcome TEXT)"
+            ),
+            format!("CREATE INDEX IF NOT EXISTS {o}_due_idx ON {o} (state, next_attempt_at)"),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {i} (message_id TEXT PRIMARY KEY, received_at TEXT NOT NULL)"
+            ),
+        ],
+        Dialect::Postgres => vec![
+            format!(
+                "CREATE TABLE IF NOT EXISTS {o} (id text PRIMARY KEY, kind text NOT NULL, name text NOT NULL, subject text NOT NULL, payload text NOT NULL, headers jsonb NOT NULL, state text NOT NULL, attempts integer NOT NULL, created_at timestamptz NOT NULL, updated_at timestamptz NOT NULL, next_attempt_at timestamptz, last_error text, outcome jsonb)"
+            ),
+            format!("CREATE INDEX IF NOT EXISTS {o}_due_idx ON {o} (state, next_attempt_at)"),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {i} (message_id text PRIMARY KEY, received_at timestamptz NOT NULL)"
+            ),
+        ],
+    };
+    let down = vec![
+        format!("DROP INDEX IF EXISTS {o}_due_idx"),
+        format!("DROP TABLE IF EXISTS {i}"),
+        format!("DROP TABLE IF EXISTS {o}"),
+    ];
+    SqlOutboxMigration::new(
+        format!("trellis_sql_outbox_inbox_{dialect}_v1"),
+        1,
+        dialect,
+        up,
+        down,
+    )
+}
+
+/// Trellis' migration checksum: `fnv1a64:` + [`fnv1a64_hex`] of
+/// `["-- up", ...up, "-- down", ...down].join("\n")`.
+fn checksum(up: &[String], down: &[String]) -> String {
+    let mut canonical = String::from("-- up");
+    for s in up {
+        canonical.push('\n');
+        canonical.push_str(s);
+    }
+    canonical.push_str("\n-- down");
+    for s in down {
+        canonical.push('\n');
+        canonical.push_str(s);
+    }
+    format!("fnv1a64:{}", fnv1a64_hex(&canonical))
+}
+
+/// FNV-1a 64 over the string's Unicode **code points** (not UTF-8 bytes), as Trellis
+/// computes it, in 16 lowercase hex digits. Equal to byte-wise FNV-1a for ASCII input.
+///
+/// ```
+/// use trellis_outbox::fnv1a64_hex;
+///
+/// assert_eq!(fnv1a64_hex(""), "cbf29ce484222325");
+/// assert_eq!(fnv1a64_hex("foobar"), "85944171f73967e8");
+/// assert_eq!(fnv1a64_hex("\u{e9}"), "af64644c8602d3a4");
+/// ```
+pub fn fnv1a64_hex(text: &str) -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for c in text.chars() {
+        hash ^= u64::from(u32::from(c));
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{hash:016x}")
+}
+
+/// What a call to [`migrate`](crate::migrate()) did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MigrationReport {
+    /// Ids of the migrations applied by this call, in order.
+    pub applied: Vec<String>,
+    /// Ids of the migrations that were already applied (checksums verified).
+    pub already_applied: Vec<String>,
+}
+
+/// Applies pending migrations to the default tables. See [`migrate_with`].
+///
+/// # Examples
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = sqlx::SqlitePool::connect("sqlite://app.db?mode=rwc").await?;
+/// trellis_outbox::migrate(&pool).await?;
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+///
+/// As [`migrate_with`].
+pub async fn migrate<DB: crate::OutboxDatabase>(pool: &sqlx::Pool<DB>) -> Result<MigrationReport> {
+    migrate_with(pool, &OutboxTables::default()).await
+}
+
+/// Applies the migrations of `tables` that the database has not recorded yet, in version
+/// order, in one transaction, and records each in `trellis_outbox_migrations`.
+///
+/// Safe to call from every process at start-up: calls are serialised (a transaction-scoped
+/// advisory lock on Postgres, `BEGIN IMMEDIATE` on SQLite), and a second call does nothing.
+///
+/// # Errors
+///
+/// [`Error::ChecksumMismatch`](crate::Error::ChecksumMismatch) naming the migration if a
+/// recorded checksum differs from this library's (nothing is applied then), and
+/// [`Error::Migrate`](crate::Error::Migrate) naming the failing step if the database fails.
+pub async fn migrate_with<DB: crate::OutboxDatabase>(
+    pool: &sqlx::Pool<DB>,
+    tables: &OutboxTables,
+) -> Result<MigrationReport> {
+    DB::migrate(pool, tables, migrations(DB::DIALECT, tables)).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fnv_vectors_hash_code_points() {
+        for (input, expected) in [
+            ("", "cbf29ce484222325"),
+            ("a", "af63dc4c8601ec8c"),
+            ("foobar", "85944171f73967e8"),
+            ("-- up", "a8cce2fb53a94818"),
+            ("\u{e9}", "af64644c8602d3a4"),
+            ("e\u{301}", "088f4b07b53b19f3"),
+            ("\u{1F600}", "b115bd4c88e32ddf"),
+        ] {
+            assert_eq!(fnv1a64_hex(input), expected, "{input:?}");
+        }
+    }
+
+    #[test]
+    fn canonical_text_matches_upstream_length() {
+        let tables = OutboxTables::default();
+        for (dialect, len) in [(Dialect::Sqlite, 645), (Dialect::Postgres, 675)] {
+            let m = v1(dialect, &tables);
+            let canonical = ["-- up".to_owned()]
+                .into_iter()
+                .chain(m.up.iter().cloned())
+                .chain(["-- down".to_owned()])
+                .chain(m.down.iter().cloned())
+                .collect::<Vec<_>>()
+                .join("\n");
+            assert_eq!(canonical.chars().count(), len, "{dialect}");
+            assert_eq!(m.checksum, format!("fnv1a64:{}", fnv1a64_hex(&canonical)));
+        }
+    }
+}
+
+/// Checks what the database recorded against `migrations` and returns the ones still to apply.
+pub(crate) fn plan(
+    migrations: Vec<SqlOutboxMigration>,
+    recorded: Vec<(i64, String, String)>,
+    report: &mut MigrationReport,
+) -> Result<Vec<SqlOutboxMigration>> {
+    let mut pending = Vec::new();
+    for m in migrations {
+        match recorded.iter().find(|(v, ..)| *v == i64::from(m.version)) {
+            Some((_, _, recorded_checksum)) if *recorded_checksum != m.checksum => {
+                return Err(crate::Error::ChecksumMismatch {
+                    id: m.id,
+                    version: m.version,
+                    recorded: recorded_checksum.clone(),
+                    expected: m.checksum,
+                });
+            }
+            Some(_) => report.already_applied.push(m.id),
+            None => pending.push(m),
+        }
+    }
+    for (version, id, _) in &recorded {
+        if !report.already_applied.contains(id) {
+            tracing::warn!(
+                version,
+                id,
+                "the database has an outbox migration this version of trellis-outbox does not know; \
+                 it was probably applied by a newer version"
+            );
+        }
+    }
+    Ok(pending)
+}
+
+/// Statement creating the bookkeeping table.
+pub(crate) fn bookkeeping_ddl(dialect: Dialect) -> &'static str {
+    match dialect {
+        Dialect::Postgres => {
+            "CREATE TABLE IF NOT EXISTS trellis_outbox_migrations (outbox_table text NOT NULL, version integer NOT NULL, id text NOT NULL, checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (outbox_table, version))"
+        }
+        Dialect::Sqlite => {
+            "CREATE TABLE IF NOT EXISTS trellis_outbox_migrations (outbox_table TEXT NOT NULL, version INTEGER NOT NULL, id TEXT NOT NULL, checksum TEXT NOT NULL, applied_at TEXT NOT NULL, PRIMARY KEY (outbox_table, version))"
+        }
+    }
+}
+
+/// Maps a driver error during `step` to [`Error::Migrate`](crate::Error::Migrate).
+pub(crate) fn migrate_error(step: &str) -> impl Fn(sqlx::Error) -> crate::Error + '_ {
+    move |source| crate::Error::Migrate {
+        step: step.to_owned(),
+        source,
+    }
+}

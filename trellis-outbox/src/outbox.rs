@@ -1,0 +1,316 @@
+//! Transactional enqueue and inbox recording.
+
+use std::future::Future;
+use std::sync::{Arc, LazyLock};
+
+use sqlx::Transaction;
+
+use crate::error::{Error, Result};
+use crate::record::{InboxReceipt, OutboxMessage, PreparedOutboxRecord, ToOutboxRecord};
+use crate::sql::SqlStatements;
+use crate::tables::{Dialect, OutboxTables};
+
+pub(crate) mod sealed {
+    use super::*;
+
+    /// Backend operations. Public but unnameable: users cannot implement or call it.
+    pub trait Backend: sqlx::Database {
+        const DIALECT: Dialect;
+
+        fn insert_one<'a>(
+            conn: &'a mut Self::Connection,
+            sql: &'a SqlStatements,
+            record: PreparedOutboxRecord,
+        ) -> impl Future<Output = Result<OutboxMessage>> + Send + 'a;
+
+        fn insert_many<'a>(
+            conn: &'a mut Self::Connection,
+            sql: &'a SqlStatements,
+            records: Vec<PreparedOutboxRecord>,
+        ) -> impl Future<Output = Result<Vec<OutboxMessage>>> + Send + 'a;
+
+        fn record_inbox<'a>(
+            conn: &'a mut Self::Connection,
+            sql: &'a SqlStatements,
+            message_id: &'a str,
+        ) -> impl Future<Output = Result<InboxReceipt>> + Send + 'a;
+
+        fn migrate<'a>(
+            pool: &'a sqlx::Pool<Self>,
+            tables: &'a OutboxTables,
+            migrations: Vec<crate::migrate::SqlOutboxMigration>,
+        ) -> impl Future<Output = Result<crate::migrate::MigrationReport>> + Send + 'a;
+    }
+}
+
+/// A database trellis-outbox can store outboxes in: [`sqlx::Postgres`] and [`sqlx::Sqlite`].
+///
+/// This trait is sealed.
+pub trait OutboxDatabase: sealed::Backend {}
+
+#[cfg(feature = "postgres")]
+impl OutboxDatabase for sqlx::Postgres {}
+#[cfg(feature = "sqlite")]
+impl OutboxDatabase for sqlx::Sqlite {}
+
+/// An outbox and inbox on a given pair of tables.
+///
+/// Use it when your tables are not the defaults; otherwise the [`OutboxTransactionExt`]
+/// methods on the transaction itself are shorter. Cloning is cheap. Every operation takes the
+/// caller's transaction: there is deliberately no way to enqueue on a pool or a bare
+/// connection, since an outbox row written outside the business transaction is exactly the
+/// bug an outbox exists to prevent.
+///
+/// # Examples
+///
+/// ```no_run
+/// use trellis_outbox::{Outbox, OutboxTables, PreparedOutboxRecord};
+///
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let outbox = Outbox::new(OutboxTables::new("billing_outbox", "billing_inbox")?);
+/// trellis_outbox::migrate_with(&pool, outbox.tables()).await?;
+///
+/// let mut tx = pool.begin().await?;
+/// sqlx::query("UPDATE invoices SET paid = true WHERE id = 7").execute(&mut *tx).await?;
+/// let event = PreparedOutboxRecord::event("Invoices.Paid", "events.v1.Invoices.Paid", &7)?;
+/// outbox.enqueue(&mut tx, &event).await?;
+/// tx.commit().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Outbox {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    tables: OutboxTables,
+    sqlite: SqlStatements,
+    postgres: SqlStatements,
+}
+
+static DEFAULT_OUTBOX: LazyLock<Outbox> = LazyLock::new(|| Outbox::new(OutboxTables::default()));
+
+impl Default for Outbox {
+    /// The outbox on upstream's default tables, `trellis_outbox` and `trellis_inbox`.
+    fn default() -> Self {
+        DEFAULT_OUTBOX.clone()
+    }
+}
+
+impl Outbox {
+    /// An outbox on `tables`. Table names were validated when `tables` was built.
+    pub fn new(tables: OutboxTables) -> Self {
+        let sqlite = SqlStatements::new(Dialect::Sqlite, &tables);
+        let postgres = SqlStatements::new(Dialect::Postgres, &tables);
+        Self {
+            inner: Arc::new(Inner {
+                tables,
+                sqlite,
+                postgres,
+            }),
+        }
+    }
+
+    /// The tables this outbox uses.
+    pub fn tables(&self) -> &OutboxTables {
+        &self.inner.tables
+    }
+
+    /// The SQL this outbox sends in `dialect`.
+    pub fn sql(&self, dialect: Dialect) -> &SqlStatements {
+        match dialect {
+            Dialect::Sqlite => &self.inner.sqlite,
+            Dialect::Postgres => &self.inner.postgres,
+        }
+    }
+
+    /// Writes `record` to the outbox inside `tx` and returns the stored row.
+    ///
+    /// Idempotent on the record id: when a row with that id already exists, nothing is
+    /// written and the row already stored is returned (upstream Trellis returns a row it did
+    /// not store). Nothing is published before `tx` commits.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidRecord`] before any SQL if the record is invalid (the transaction stays
+    /// usable), [`Error::Serialize`] if it cannot be built, [`Error::Enqueue`] if the database
+    /// fails, [`Error::Decode`] if an existing row with the same id cannot be read.
+    pub async fn enqueue<DB, R>(
+        &self,
+        tx: &mut Transaction<'_, DB>,
+        record: &R,
+    ) -> Result<OutboxMessage>
+    where
+        DB: OutboxDatabase,
+        R: ToOutboxRecord + ?Sized,
+    {
+        let record = record.to_outbox_record()?;
+        record.validate()?;
+        DB::insert_one(&mut **tx, self.sql(DB::DIALECT), record).await
+    }
+
+    /// Writes many records inside `tx` in as few statements as the database's bind-parameter
+    /// limits allow, and returns the stored rows in input order.
+    ///
+    /// Every record is validated before any SQL is sent. Ids that already exist (or repeat
+    /// within `records`) are not written again; their stored rows are returned.
+    ///
+    /// # Errors
+    ///
+    /// As [`Outbox::enqueue`].
+    pub async fn enqueue_all<DB, I>(
+        &self,
+        tx: &mut Transaction<'_, DB>,
+        records: I,
+    ) -> Result<Vec<OutboxMessage>>
+    where
+        DB: OutboxDatabase,
+        I: IntoIterator,
+        I::Item: ToOutboxRecord,
+    {
+        let records = prepare_all(records)?;
+        if records.is_empty() {
+            return Ok(Vec::new());
+        }
+        DB::insert_many(&mut **tx, self.sql(DB::DIALECT), records).await
+    }
+
+    /// Records `message_id` in the inbox inside `tx`: [`InboxReceipt::Accepted`] the first
+    /// time, [`InboxReceipt::Duplicate`] after that.
+    ///
+    /// Atomic (`INSERT … ON CONFLICT DO NOTHING` and the affected-row count), so of several
+    /// concurrent transactions recording the same id, exactly one that commits was told
+    /// `Accepted`. Write your handler's effects in the same transaction.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidMessageId`] for an empty id, [`Error::RecordInbox`] if the database
+    /// fails.
+    pub async fn record_inbox<DB: OutboxDatabase>(
+        &self,
+        tx: &mut Transaction<'_, DB>,
+        message_id: &str,
+    ) -> Result<InboxReceipt> {
+        check_message_id(message_id)?;
+        DB::record_inbox(&mut **tx, self.sql(DB::DIALECT), message_id).await
+    }
+}
+
+fn prepare_all<I>(records: I) -> Result<Vec<PreparedOutboxRecord>>
+where
+    I: IntoIterator,
+    I::Item: ToOutboxRecord,
+{
+    records
+        .into_iter()
+        .map(|r| {
+            let record = r.to_outbox_record()?;
+            record.validate()?;
+            Ok(record)
+        })
+        .collect()
+}
+
+fn check_message_id(message_id: &str) -> Result<()> {
+    let problem = if message_id.is_empty() {
+        "is empty"
+    } else if message_id.chars().any(char::is_control) {
+        "contains control characters"
+    } else {
+        return Ok(());
+    };
+    Err(Error::InvalidMessageId {
+        message_id: message_id.to_owned(),
+        problem,
+    })
+}
+
+/// Outbox operations on a transaction, using the default tables
+/// (`trellis_outbox` / `trellis_inbox`). For other tables use an [`Outbox`].
+///
+/// Implemented for `sqlx::Transaction<'_, Postgres>` and `sqlx::Transaction<'_, Sqlite>` only,
+/// never for a pool or a bare connection, so an event cannot be written outside the
+/// transaction that writes the business change:
+///
+/// ```compile_fail
+/// use trellis_outbox::{OutboxTransactionExt, PreparedOutboxRecord};
+///
+/// async fn wrong(pool: sqlx::PgPool, record: PreparedOutboxRecord) {
+///     pool.enqueue(&record).await; // no `enqueue` on a pool
+/// }
+/// ```
+///
+/// # Examples
+///
+/// ```no_run
+/// use trellis_outbox::{OutboxTransactionExt, PreparedOutboxRecord};
+///
+/// # async fn run(pool: sqlx::SqlitePool) -> Result<(), Box<dyn std::error::Error>> {
+/// let mut tx = pool.begin().await?;
+/// sqlx::query("INSERT INTO orders (id) VALUES ('o-1')").execute(&mut *tx).await?;
+/// let event = PreparedOutboxRecord::event("Orders.Placed", "events.v1.Orders.Placed", &"o-1")?;
+/// let stored = tx.enqueue(&event).await?;
+/// tx.commit().await?;
+/// assert_eq!(stored.id, event.id);
+/// # Ok(()) }
+/// ```
+pub trait OutboxTransactionExt: sealed_ext::Sealed {
+    /// See [`Outbox::enqueue`].
+    fn enqueue<'a, R>(
+        &'a mut self,
+        record: &'a R,
+    ) -> impl Future<Output = Result<OutboxMessage>> + Send + 'a
+    where
+        R: ToOutboxRecord + ?Sized + Sync;
+
+    /// See [`Outbox::enqueue_all`].
+    fn enqueue_all<'a, I>(
+        &'a mut self,
+        records: I,
+    ) -> impl Future<Output = Result<Vec<OutboxMessage>>> + Send + 'a
+    where
+        I: IntoIterator + Send + 'a,
+        I::Item: ToOutboxRecord;
+
+    /// See [`Outbox::record_inbox`].
+    fn record_inbox<'a>(
+        &'a mut self,
+        message_id: &'a str,
+    ) -> impl Future<Output = Result<InboxReceipt>> + Send + 'a;
+}
+
+mod sealed_ext {
+    pub trait Sealed {}
+    impl<DB: super::OutboxDatabase> Sealed for sqlx::Transaction<'_, DB> {}
+}
+
+impl<DB: OutboxDatabase> OutboxTransactionExt for Transaction<'_, DB> {
+    fn enqueue<'a, R>(
+        &'a mut self,
+        record: &'a R,
+    ) -> impl Future<Output = Result<OutboxMessage>> + Send + 'a
+    where
+        R: ToOutboxRecord + ?Sized + Sync,
+    {
+        DEFAULT_OUTBOX.enqueue(self, record)
+    }
+
+    fn enqueue_all<'a, I>(
+        &'a mut self,
+        records: I,
+    ) -> impl Future<Output = Result<Vec<OutboxMessage>>> + Send + 'a
+    where
+        I: IntoIterator + Send + 'a,
+        I::Item: ToOutboxRecord,
+    {
+        DEFAULT_OUTBOX.enqueue_all(self, records)
+    }
+
+    fn record_inbox<'a>(
+        &'a mut self,
+        message_id: &'a str,
+    ) -> impl Future<Output = Result<InboxReceipt>> + Send + 'a {
+        DEFAULT_OUTBOX.record_inbox(self, message_id)
+    }
+}

@@ -1,0 +1,279 @@
+//! PostgreSQL backend.
+
+use std::collections::{BTreeMap, HashSet};
+use std::future::Future;
+
+use chrono::{DateTime, Utc};
+use sqlx::postgres::{PgConnection, PgRow};
+use sqlx::types::Json;
+use sqlx::{AssertSqlSafe, Postgres};
+
+use crate::error::{Error, Result};
+use crate::outbox::sealed::Backend;
+use crate::record::{InboxReceipt, OutboxMessage, PreparedOutboxRecord};
+use crate::row::{column, RawRow};
+use crate::sql::{SqlStatements, COLUMNS};
+use crate::migrate::{bookkeeping_ddl, migrate_error, plan, MigrationReport, SqlOutboxMigration};
+use crate::tables::{Dialect, OutboxTables};
+use crate::time::now_millis;
+
+/// Rows per `UNNEST` insert: bounds the size of one statement's arrays.
+const BATCH_ROWS: usize = 5_000;
+
+impl Backend for Postgres {
+    const DIALECT: Dialect = Dialect::Postgres;
+
+    fn insert_one<'a>(
+        conn: &'a mut PgConnection,
+        sql: &'a SqlStatements,
+        record: PreparedOutboxRecord,
+    ) -> impl Future<Output = Result<OutboxMessage>> + Send + 'a {
+        async move {
+            let now = now_millis();
+            let enqueue_error = |source| Error::Enqueue {
+                id: record.id.clone(),
+                source,
+            };
+            let inserted = sqlx::query(AssertSqlSafe(sql.enqueue.clone()))
+                .bind(&record.id)
+                .bind(record.kind.as_str())
+                .bind(&record.name)
+                .bind(&record.subject)
+                .bind(&record.payload)
+                .bind(Json(&record.headers))
+                .bind("pending")
+                .bind(0_i32)
+                .bind(now)
+                .bind(now)
+                .bind(None::<DateTime<Utc>>)
+                .bind(None::<String>)
+                .bind(None::<Json<serde_json::Value>>)
+                .execute(&mut *conn)
+                .await
+                .map_err(enqueue_error)?
+                .rows_affected();
+            if inserted == 1 {
+                return Ok(OutboxMessage::pending(record, now));
+            }
+            let row = sqlx::query(AssertSqlSafe(sql.select_by_id.clone()))
+                .bind(&record.id)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(enqueue_error)?;
+            decode(&row)
+        }
+    }
+
+    fn insert_many<'a>(
+        conn: &'a mut PgConnection,
+        sql: &'a SqlStatements,
+        records: Vec<PreparedOutboxRecord>,
+    ) -> impl Future<Output = Result<Vec<OutboxMessage>>> + Send + 'a {
+        async move {
+            let now = now_millis();
+            let o = &*sql.outbox_table;
+            let insert = format!(
+                "INSERT INTO {o} ({COLUMNS}) \
+                 SELECT t.id, t.kind, t.name, t.subject, t.payload, t.headers::jsonb, 'pending', 0, $7, $7, NULL, NULL, NULL \
+                 FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[]) \
+                 AS t(id, kind, name, subject, payload, headers) \
+                 ON CONFLICT (id) DO NOTHING RETURNING id"
+            );
+            let mut inserted = HashSet::with_capacity(records.len());
+            for chunk in records.chunks(BATCH_ROWS) {
+                let mut columns: [Vec<&str>; 5] = Default::default();
+                let mut headers = Vec::with_capacity(chunk.len());
+                for r in chunk {
+                    columns[0].push(&r.id);
+                    columns[1].push(r.kind.as_str());
+                    columns[2].push(&r.name);
+                    columns[3].push(&r.subject);
+                    columns[4].push(&r.payload);
+                    headers.push(serde_json::to_string(&r.headers).map_err(|source| {
+                        Error::Serialize {
+                            what: "outbox headers",
+                            source,
+                        }
+                    })?);
+                }
+                let [ids, kinds, names, subjects, payloads] = columns;
+                let ids: Vec<String> = sqlx::query_scalar(AssertSqlSafe(insert.as_str()))
+                    .bind(ids)
+                    .bind(kinds)
+                    .bind(names)
+                    .bind(subjects)
+                    .bind(payloads)
+                    .bind(headers)
+                    .bind(now)
+                    .fetch_all(&mut *conn)
+                    .await
+                    .map_err(|source| Error::Enqueue {
+                        id: chunk[0].id.clone(),
+                        source,
+                    })?;
+                inserted.extend(ids);
+            }
+            finish_batch(conn, sql, records, inserted, now).await
+        }
+    }
+
+    fn record_inbox<'a>(
+        conn: &'a mut PgConnection,
+        sql: &'a SqlStatements,
+        message_id: &'a str,
+    ) -> impl Future<Output = Result<InboxReceipt>> + Send + 'a {
+        async move {
+            let affected = sqlx::query(AssertSqlSafe(sql.inbox_insert.clone()))
+                .bind(message_id)
+                .bind(now_millis())
+                .execute(&mut *conn)
+                .await
+                .map_err(|source| Error::RecordInbox {
+                    message_id: message_id.to_owned(),
+                    source,
+                })?
+                .rows_affected();
+            Ok(if affected == 1 {
+                InboxReceipt::Accepted
+            } else {
+                InboxReceipt::Duplicate
+            })
+        }
+    }
+
+    fn migrate<'a>(
+        pool: &'a sqlx::PgPool,
+        tables: &'a OutboxTables,
+        migrations: Vec<SqlOutboxMigration>,
+    ) -> impl Future<Output = Result<MigrationReport>> + Send + 'a {
+        async move {
+            let mut tx = pool.begin().await.map_err(migrate_error("begin"))?;
+            // Serialises concurrent migrate calls; released at commit or rollback.
+            sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                .bind(MIGRATE_LOCK_KEY)
+                .execute(&mut *tx)
+                .await
+                .map_err(migrate_error("lock"))?;
+            sqlx::raw_sql(bookkeeping_ddl(Dialect::Postgres))
+                .execute(&mut *tx)
+                .await
+                .map_err(migrate_error("bookkeeping table"))?;
+            let recorded: Vec<(i32, String, String)> = sqlx::query_as(
+                "SELECT version, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = $1",
+            )
+            .bind(tables.outbox())
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(migrate_error("read applied migrations"))?;
+            let recorded = recorded
+                .into_iter()
+                .map(|(v, id, c)| (i64::from(v), id, c))
+                .collect();
+            let mut report = MigrationReport::default();
+            for m in plan(migrations, recorded, &mut report)? {
+                for statement in &m.up {
+                    sqlx::raw_sql(AssertSqlSafe(statement.as_str()))
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(migrate_error(&m.id))?;
+                }
+                sqlx::query(
+                    "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum) VALUES ($1, $2, $3, $4)",
+                )
+                .bind(tables.outbox())
+                .bind(i32::try_from(m.version).unwrap_or(i32::MAX))
+                .bind(&m.id)
+                .bind(&m.checksum)
+                .execute(&mut *tx)
+                .await
+                .map_err(migrate_error(&m.id))?;
+                tracing::info!(migration = %m.id, "applied outbox migration");
+                report.applied.push(m.id);
+            }
+            tx.commit().await.map_err(migrate_error("commit"))?;
+            Ok(report)
+        }
+    }
+}
+
+/// Advisory lock key serialising `migrate` calls: the ASCII bytes of "trellism".
+const MIGRATE_LOCK_KEY: i64 = 0x7472_656c_6c69_736d;
+
+/// Builds the result of a batch insert: our rows where we inserted them, the stored rows
+/// where the id already existed (or repeated within the batch).
+async fn finish_batch(
+    conn: &mut PgConnection,
+    sql: &SqlStatements,
+    records: Vec<PreparedOutboxRecord>,
+    mut inserted: HashSet<String>,
+    now: DateTime<Utc>,
+) -> Result<Vec<OutboxMessage>> {
+    if inserted.len() == records.len() {
+        return Ok(records
+            .into_iter()
+            .map(|r| OutboxMessage::pending(r, now))
+            .collect());
+    }
+    // An id counts as inserted by its first occurrence only.
+    let ours: Vec<bool> = records.iter().map(|r| inserted.remove(&r.id)).collect();
+    let missing: Vec<&str> = records
+        .iter()
+        .zip(&ours)
+        .filter(|(_, ours)| !**ours)
+        .map(|(r, _)| r.id.as_str())
+        .collect();
+    let select = format!(
+        "SELECT {COLUMNS} FROM {} WHERE id = ANY($1)",
+        sql.outbox_table
+    );
+    let rows = sqlx::query(AssertSqlSafe(select))
+        .bind(&missing)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(|source| Error::Enqueue {
+            id: missing.first().map(|s| s.to_string()).unwrap_or_default(),
+            source,
+        })?;
+    let mut stored: BTreeMap<String, OutboxMessage> = BTreeMap::new();
+    for row in &rows {
+        let message = decode(row)?;
+        stored.insert(message.id.clone(), message);
+    }
+    records
+        .into_iter()
+        .zip(ours)
+        .map(|(r, ours)| {
+            if ours {
+                Ok(OutboxMessage::pending(r, now))
+            } else {
+                stored.get(&r.id).cloned().ok_or_else(|| {
+                    Error::decode(&r.id, "id", "row vanished between insert and read")
+                })
+            }
+        })
+        .collect()
+}
+
+pub(crate) fn decode(row: &PgRow) -> Result<OutboxMessage> {
+    let id: String = column(row, "", "id")?;
+    let headers: Json<BTreeMap<String, String>> = column(row, &id, "headers")?;
+    let outcome: Option<Json<serde_json::Value>> = column(row, &id, "outcome")?;
+    let attempts: i32 = column(row, &id, "attempts")?;
+    RawRow {
+        kind: column(row, &id, "kind")?,
+        name: column(row, &id, "name")?,
+        subject: column(row, &id, "subject")?,
+        payload: column(row, &id, "payload")?,
+        headers: headers.0,
+        state: column(row, &id, "state")?,
+        attempts: i64::from(attempts),
+        created_at: column(row, &id, "created_at")?,
+        updated_at: column(row, &id, "updated_at")?,
+        next_attempt_at: column(row, &id, "next_attempt_at")?,
+        last_error: column(row, &id, "last_error")?,
+        outcome: outcome.map(|j| j.0),
+        id,
+    }
+    .into_message()
+}
+

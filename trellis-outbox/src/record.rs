@@ -1,0 +1,524 @@
+//! The outbox data model: records to enqueue, stored messages, kinds and states.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Mutex;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::subject::subject_problem;
+use crate::time::{format_timestamp, now_millis};
+
+/// The NATS header carrying the JetStream de-duplication id (the outbox row id).
+pub const NATS_MSG_ID: &str = "Nats-Msg-Id";
+/// The header carrying the Trellis event time (`YYYY-MM-DDTHH:mm:ss.sssZ`).
+pub const TRELLIS_EVENT_TIME: &str = "Trellis-Event-Time";
+
+/// What an outbox record asks the dispatcher to do. Wire strings are Trellis' own.
+///
+/// # Examples
+///
+/// ```
+/// use trellis_outbox::OutboxRecordKind;
+///
+/// let kind: OutboxRecordKind = "job.submit".parse()?;
+/// assert_eq!(kind, OutboxRecordKind::JobSubmit);
+/// assert_eq!(OutboxRecordKind::EventPublish.to_string(), "event.publish");
+/// assert!("job.cancel".parse::<OutboxRecordKind>().is_err());
+/// # Ok::<(), trellis_outbox::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub enum OutboxRecordKind {
+    /// `event.publish`: publish the payload to the subject.
+    #[serde(rename = "event.publish")]
+    EventPublish,
+    /// `job.create`: create a Trellis job (strict admission).
+    #[serde(rename = "job.create")]
+    JobCreate,
+    /// `job.submit`: submit a Trellis job (policy-aware admission).
+    #[serde(rename = "job.submit")]
+    JobSubmit,
+}
+
+impl OutboxRecordKind {
+    /// The wire string: `event.publish`, `job.create` or `job.submit`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            OutboxRecordKind::EventPublish => "event.publish",
+            OutboxRecordKind::JobCreate => "job.create",
+            OutboxRecordKind::JobSubmit => "job.submit",
+        }
+    }
+}
+
+impl fmt::Display for OutboxRecordKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for OutboxRecordKind {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "event.publish" => Ok(OutboxRecordKind::EventPublish),
+            "job.create" => Ok(OutboxRecordKind::JobCreate),
+            "job.submit" => Ok(OutboxRecordKind::JobSubmit),
+            other => Err(Error::UnknownKind(other.to_owned())),
+        }
+    }
+}
+
+/// Where a stored outbox message is in its life. Wire strings are Trellis' own, plus `dead`.
+///
+/// ```
+/// use trellis_outbox::OutboxMessageState;
+///
+/// assert_eq!("dead".parse::<OutboxMessageState>()?, OutboxMessageState::Dead);
+/// assert_eq!(OutboxMessageState::Pending.as_str(), "pending");
+/// # Ok::<(), trellis_outbox::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum OutboxMessageState {
+    /// Enqueued, not yet attempted.
+    Pending,
+    /// Delivered (terminal).
+    Dispatched,
+    /// The last attempt failed; due again at `next_attempt_at`.
+    Failed,
+    /// Given up on (too many attempts, a permanent error, or an undecodable row); kept for
+    /// inspection and manual retry. Not a Trellis state: a trellis-outbox extension.
+    Dead,
+}
+
+impl OutboxMessageState {
+    /// The wire string: `pending`, `dispatched`, `failed` or `dead`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            OutboxMessageState::Pending => "pending",
+            OutboxMessageState::Dispatched => "dispatched",
+            OutboxMessageState::Failed => "failed",
+            OutboxMessageState::Dead => "dead",
+        }
+    }
+}
+
+impl fmt::Display for OutboxMessageState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for OutboxMessageState {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "pending" => Ok(OutboxMessageState::Pending),
+            "dispatched" => Ok(OutboxMessageState::Dispatched),
+            "failed" => Ok(OutboxMessageState::Failed),
+            "dead" => Ok(OutboxMessageState::Dead),
+            other => Err(Error::UnknownState(other.to_owned())),
+        }
+    }
+}
+
+/// A record ready to be written to the outbox (Trellis' `PreparedOutboxRecord`).
+///
+/// Build one by hand, with [`PreparedOutboxRecord::event`], or let `#[derive(OutboxEvent)]`
+/// build it. It is validated when enqueued; see [`PreparedOutboxRecord::validate`].
+///
+/// # Examples
+///
+/// ```
+/// use trellis_outbox::{OutboxRecordKind, PreparedOutboxRecord};
+///
+/// let record = PreparedOutboxRecord::event(
+///     "Orders.Shipped",
+///     "events.v1.Orders.Shipped",
+///     &serde_json::json!({ "orderId": "o-1" }),
+/// )?;
+/// assert_eq!(record.kind, OutboxRecordKind::EventPublish);
+/// assert_eq!(record.payload, r#"{"orderId":"o-1"}"#);
+/// assert_eq!(record.headers["Nats-Msg-Id"], record.id);
+/// assert!(record.headers["Trellis-Event-Time"].ends_with('Z'));
+/// # Ok::<(), trellis_outbox::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PreparedOutboxRecord {
+    /// Idempotency key and primary key; also the JetStream `Nats-Msg-Id` of events.
+    pub id: String,
+    /// What the dispatcher does with the record.
+    pub kind: OutboxRecordKind,
+    /// The event name (e.g. `Orders.Shipped`) or job queue name.
+    pub name: String,
+    /// The NATS subject to publish to.
+    pub subject: String,
+    /// The JSON text to publish, stored verbatim.
+    pub payload: String,
+    /// NATS headers to publish with.
+    pub headers: BTreeMap<String, String>,
+}
+
+impl PreparedOutboxRecord {
+    /// Builds an `event.publish` record the way Trellis prepares events (spec §C.1): a new
+    /// ULID as id, the body serialized with serde_json as payload, and headers
+    /// `Nats-Msg-Id` = id and `Trellis-Event-Time` = now (`YYYY-MM-DDTHH:mm:ss.sssZ`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Serialize`] if the body cannot be serialized. The subject and name are
+    /// checked when the record is enqueued.
+    pub fn event<T: Serialize + ?Sized>(
+        name: impl Into<String>,
+        subject: impl Into<String>,
+        payload: &T,
+    ) -> Result<Self> {
+        let payload = serde_json::to_string(payload).map_err(|source| Error::Serialize {
+            what: "event payload",
+            source,
+        })?;
+        let id = new_id();
+        let mut headers = BTreeMap::new();
+        headers.insert(NATS_MSG_ID.to_owned(), id.clone());
+        headers.insert(
+            TRELLIS_EVENT_TIME.to_owned(),
+            format_timestamp(now_millis()),
+        );
+        Ok(Self {
+            id,
+            kind: OutboxRecordKind::EventPublish,
+            name: name.into(),
+            subject: subject.into(),
+            payload,
+            headers,
+        })
+    }
+
+    /// Checks the record before any SQL is sent.
+    ///
+    /// Rejected: an empty id, name or subject; an id or name with control characters; a
+    /// subject with whitespace, an empty token or a `*`/`>` wildcard token; a payload that is
+    /// not valid JSON text; header names that are empty or not printable ASCII without `:`;
+    /// header values containing CR or LF.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidRecord`] naming the field and the problem.
+    ///
+    /// ```
+    /// use trellis_outbox::PreparedOutboxRecord;
+    ///
+    /// let mut record = PreparedOutboxRecord::event("A.B", "events.v1.A.B", &1)?;
+    /// record.subject = "events.v1.*".into();
+    /// let err = record.validate().unwrap_err();
+    /// assert!(err.to_string().contains("`subject` contains the wildcard token `*`"));
+    /// # Ok::<(), trellis_outbox::Error>(())
+    /// ```
+    pub fn validate(&self) -> Result<()> {
+        let id = self.id.as_str();
+        if id.is_empty() {
+            return Err(Error::invalid_record(id, "id", "is empty"));
+        }
+        if id.chars().any(char::is_control) {
+            return Err(Error::invalid_record(id, "id", "contains control characters"));
+        }
+        if self.name.is_empty() {
+            return Err(Error::invalid_record(id, "name", "is empty"));
+        }
+        if self.name.chars().any(char::is_control) {
+            return Err(Error::invalid_record(
+                id,
+                "name",
+                "contains control characters",
+            ));
+        }
+        if let Some(problem) = subject_problem(&self.subject) {
+            return Err(Error::invalid_record(id, "subject", problem));
+        }
+        if let Err(e) = serde_json::from_str::<serde::de::IgnoredAny>(&self.payload) {
+            return Err(Error::invalid_record(
+                id,
+                "payload",
+                format!("is not valid JSON text: {e}"),
+            ));
+        }
+        for (name, value) in &self.headers {
+            if name.is_empty() {
+                return Err(Error::invalid_record(id, "headers", "has an empty name"));
+            }
+            if let Some(c) = name.chars().find(|&c| !c.is_ascii_graphic() || c == ':') {
+                return Err(Error::invalid_record(
+                    id,
+                    "headers",
+                    format!(
+                        "name {name:?} contains {c:?}; NATS header names are printable ASCII without ':'"
+                    ),
+                ));
+            }
+            if value.contains(['\r', '\n']) {
+                return Err(Error::invalid_record(
+                    id,
+                    "headers",
+                    format!("value of {name:?} contains a line break"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A stored outbox row (Trellis' `OutboxMessage`, with typed columns).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct OutboxMessage {
+    /// Primary key; the JetStream `Nats-Msg-Id` of events.
+    pub id: String,
+    /// What the dispatcher does with the row.
+    pub kind: OutboxRecordKind,
+    /// Event name or job queue.
+    pub name: String,
+    /// The NATS subject.
+    pub subject: String,
+    /// The JSON text to publish.
+    pub payload: String,
+    /// NATS headers to publish with.
+    pub headers: BTreeMap<String, String>,
+    /// Where the row is in its life.
+    pub state: OutboxMessageState,
+    /// How many attempts have failed.
+    pub attempts: u32,
+    /// When the row was enqueued (millisecond precision).
+    pub created_at: DateTime<Utc>,
+    /// When the row last changed.
+    pub updated_at: DateTime<Utc>,
+    /// When a failed row is due again.
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    /// The last failure's cause.
+    pub last_error: Option<String>,
+    /// What dispatching produced (e.g. a job admission outcome), as JSON.
+    pub outcome: Option<serde_json::Value>,
+}
+
+impl OutboxMessage {
+    /// A freshly enqueued row built from `record`, as it is inserted.
+    pub(crate) fn pending(record: PreparedOutboxRecord, now: DateTime<Utc>) -> Self {
+        Self {
+            id: record.id,
+            kind: record.kind,
+            name: record.name,
+            subject: record.subject,
+            payload: record.payload,
+            headers: record.headers,
+            state: OutboxMessageState::Pending,
+            attempts: 0,
+            created_at: now,
+            updated_at: now,
+            next_attempt_at: None,
+            last_error: None,
+            outcome: None,
+        }
+    }
+}
+
+/// The result of recording a message in the inbox.
+///
+/// ```
+/// use trellis_outbox::InboxReceipt;
+///
+/// assert!(InboxReceipt::Accepted.is_accepted());
+/// assert!(!InboxReceipt::Duplicate.is_accepted());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum InboxReceipt {
+    /// First time this message id was seen: handle the message.
+    Accepted,
+    /// Seen before: skip it.
+    Duplicate,
+}
+
+impl InboxReceipt {
+    /// `true` for [`InboxReceipt::Accepted`].
+    pub const fn is_accepted(self) -> bool {
+        matches!(self, InboxReceipt::Accepted)
+    }
+}
+
+/// Anything that can be turned into an outbox record: events made with
+/// `#[derive(OutboxEvent)]`, jobs made with `#[outbox_job]`, or a [`PreparedOutboxRecord`]
+/// built by hand.
+///
+/// # Examples
+///
+/// ```
+/// use trellis_outbox::{PreparedOutboxRecord, ToOutboxRecord};
+///
+/// struct Ping;
+///
+/// impl ToOutboxRecord for Ping {
+///     fn to_outbox_record(&self) -> trellis_outbox::Result<PreparedOutboxRecord> {
+///         PreparedOutboxRecord::event("Health.Ping", "events.v1.Health.Ping", &serde_json::json!({}))
+///     }
+/// }
+///
+/// assert_eq!(Ping.to_outbox_record()?.name, "Health.Ping");
+/// # Ok::<(), trellis_outbox::Error>(())
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be written to the outbox",
+    note = "derive it with `#[derive(trellis_outbox::OutboxEvent)]`, annotate it with `#[trellis_outbox::outbox_job(...)]`, or build a `PreparedOutboxRecord`"
+)]
+pub trait ToOutboxRecord {
+    /// Builds the record. Each call of a generated implementation makes a new id unless
+    /// the type names its own id field.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Serialize`] if the payload cannot be serialized.
+    fn to_outbox_record(&self) -> Result<PreparedOutboxRecord>;
+}
+
+impl ToOutboxRecord for PreparedOutboxRecord {
+    fn to_outbox_record(&self) -> Result<PreparedOutboxRecord> {
+        Ok(self.clone())
+    }
+}
+
+impl<T: ToOutboxRecord + ?Sized> ToOutboxRecord for &T {
+    fn to_outbox_record(&self) -> Result<PreparedOutboxRecord> {
+        (**self).to_outbox_record()
+    }
+}
+
+impl<T: ToOutboxRecord + ?Sized> ToOutboxRecord for Box<T> {
+    fn to_outbox_record(&self) -> Result<PreparedOutboxRecord> {
+        (**self).to_outbox_record()
+    }
+}
+
+static ULIDS: Mutex<ulid::Generator> = Mutex::new(ulid::Generator::new());
+
+/// A new ULID string (26 characters, Crockford base32), monotonic within this process, so
+/// ids made in the same millisecond still sort in the order they were made.
+///
+/// ```
+/// let a = trellis_outbox::new_id();
+/// let b = trellis_outbox::new_id();
+/// assert_eq!(a.len(), 26);
+/// assert!(a < b);
+/// ```
+pub fn new_id() -> String {
+    let ulid = match ULIDS.lock() {
+        Ok(mut generator) => match generator.generate() {
+            Ok(ulid) => ulid,
+            Err(overflow) => overflow.commit_overflow_increment(),
+        },
+        // A panic while holding the lock cannot leave the generator inconsistent; fall back
+        // to a non-monotonic id rather than propagate the poison.
+        Err(_) => ulid::Ulid::generate(),
+    };
+    ulid.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record() -> PreparedOutboxRecord {
+        PreparedOutboxRecord::event("Thing.Changed", "events.v1.Thing.Changed", &1).unwrap()
+    }
+
+    #[test]
+    fn kinds_and_states_round_trip() {
+        for kind in [
+            OutboxRecordKind::EventPublish,
+            OutboxRecordKind::JobCreate,
+            OutboxRecordKind::JobSubmit,
+        ] {
+            assert_eq!(kind.as_str().parse::<OutboxRecordKind>().unwrap(), kind);
+            assert_eq!(
+                serde_json::to_string(&kind).unwrap(),
+                format!("\"{kind}\"")
+            );
+        }
+        for state in [
+            OutboxMessageState::Pending,
+            OutboxMessageState::Dispatched,
+            OutboxMessageState::Failed,
+            OutboxMessageState::Dead,
+        ] {
+            assert_eq!(state.as_str().parse::<OutboxMessageState>().unwrap(), state);
+        }
+        assert!(matches!(
+            "claimed".parse::<OutboxMessageState>(),
+            Err(Error::UnknownState(s)) if s == "claimed"
+        ));
+        assert!(matches!(
+            "Event.Publish".parse::<OutboxRecordKind>(),
+            Err(Error::UnknownKind(_))
+        ));
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let cases: Vec<(fn(&mut PreparedOutboxRecord), &str)> = vec![
+            (|r| r.id.clear(), "`id` is empty"),
+            (|r| r.id = "a\nb".into(), "`id` contains control"),
+            (|r| r.name.clear(), "`name` is empty"),
+            (|r| r.subject.clear(), "`subject` is empty"),
+            (|r| r.subject = "a b".into(), "`subject` contains whitespace"),
+            (|r| r.subject = "a..b".into(), "`subject` has an empty token"),
+            (|r| r.subject = "a.>".into(), "wildcard token `>`"),
+            (|r| r.payload = "{".into(), "`payload` is not valid JSON"),
+            (|r| r.payload = "{} x".into(), "`payload` is not valid JSON"),
+            (|r| r.payload = String::new(), "`payload` is not valid JSON"),
+            (
+                |r| {
+                    r.headers.insert("a b".into(), "v".into());
+                },
+                "`headers` name \"a b\"",
+            ),
+            (
+                |r| {
+                    r.headers.insert("a:b".into(), "v".into());
+                },
+                "`headers` name \"a:b\"",
+            ),
+            (
+                |r| {
+                    r.headers.insert(String::new(), "v".into());
+                },
+                "`headers` has an empty name",
+            ),
+            (
+                |r| {
+                    r.headers.insert("X".into(), "v\r\nY: z".into());
+                },
+                "line break",
+            ),
+        ];
+        for (mutate, expected) in cases {
+            let mut r = record();
+            mutate(&mut r);
+            let err = r.validate().unwrap_err();
+            assert!(
+                err.to_string().contains(expected),
+                "{err} does not contain {expected}"
+            );
+        }
+        record().validate().unwrap();
+    }
+
+    #[test]
+    fn ids_are_unique_and_ordered() {
+        let ids: Vec<String> = (0..1000).map(|_| new_id()).collect();
+        assert!(ids.windows(2).all(|w| w[0] < w[1]));
+    }
+}

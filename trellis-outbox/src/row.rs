@@ -1,0 +1,66 @@
+//! Decoding stored rows, shared by both backends.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+
+use crate::error::{Error, Result};
+use crate::record::OutboxMessage;
+
+/// A row as read from the database, before the checks every backend shares.
+pub(crate) struct RawRow {
+    pub(crate) id: String,
+    pub(crate) kind: String,
+    pub(crate) name: String,
+    pub(crate) subject: String,
+    pub(crate) payload: String,
+    pub(crate) headers: BTreeMap<String, String>,
+    pub(crate) state: String,
+    pub(crate) attempts: i64,
+    pub(crate) created_at: DateTime<Utc>,
+    pub(crate) updated_at: DateTime<Utc>,
+    pub(crate) next_attempt_at: Option<DateTime<Utc>>,
+    pub(crate) last_error: Option<String>,
+    pub(crate) outcome: Option<serde_json::Value>,
+}
+
+impl RawRow {
+    pub(crate) fn into_message(self) -> Result<OutboxMessage> {
+        let id = self.id;
+        let kind = self
+            .kind
+            .parse()
+            .map_err(|e: Error| Error::decode(&id, "kind", e))?;
+        let state = self
+            .state
+            .parse()
+            .map_err(|e: Error| Error::decode(&id, "state", e))?;
+        let attempts = u32::try_from(self.attempts)
+            .map_err(|_| Error::decode(&id, "attempts", format!("{} is out of range", self.attempts)))?;
+        Ok(OutboxMessage {
+            id,
+            kind,
+            name: self.name,
+            subject: self.subject,
+            payload: self.payload,
+            headers: self.headers,
+            state,
+            attempts,
+            created_at: self.created_at,
+            updated_at: self.updated_at,
+            next_attempt_at: self.next_attempt_at,
+            last_error: self.last_error,
+            outcome: self.outcome,
+        })
+    }
+}
+
+/// Reads a column, turning a driver error into [`Error::Decode`].
+pub(crate) fn column<'r, R, T>(row: &'r R, id: &str, name: &'static str) -> Result<T>
+where
+    R: sqlx::Row,
+    T: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    &'static str: sqlx::ColumnIndex<R>,
+{
+    row.try_get(name).map_err(|e| Error::decode(id, name, e))
+}

@@ -1,0 +1,88 @@
+//! SQL text, built once per table set from validated identifiers.
+
+use std::sync::Arc;
+
+use crate::tables::{Dialect, OutboxTables};
+
+/// The outbox columns in storage order (spec §B.2).
+pub(crate) const COLUMNS: &str = "id, kind, name, subject, payload, headers, state, attempts, created_at, updated_at, next_attempt_at, last_error, outcome";
+
+/// The SQL trellis-outbox sends for one dialect and table set.
+///
+/// The enqueue and inbox statements are byte-for-byte upstream Trellis' (spec §B.5), so rows
+/// written by either implementation are indistinguishable.
+///
+/// # Examples
+///
+/// ```
+/// use trellis_outbox::{Dialect, Outbox};
+///
+/// let outbox = Outbox::default();
+/// let sql = outbox.sql(Dialect::Postgres);
+/// assert!(sql.enqueue().ends_with("VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) ON CONFLICT (id) DO NOTHING"));
+/// assert_eq!(
+///     sql.inbox_insert(),
+///     "INSERT INTO trellis_inbox (message_id, received_at) VALUES ($1, $2) ON CONFLICT (message_id) DO NOTHING",
+/// );
+/// ```
+#[derive(Debug, Clone)]
+pub struct SqlStatements {
+    pub(crate) dialect: Dialect,
+    pub(crate) outbox_table: Arc<str>,
+    pub(crate) enqueue: Arc<str>,
+    pub(crate) select_by_id: Arc<str>,
+    pub(crate) inbox_insert: Arc<str>,
+}
+
+impl SqlStatements {
+    pub(crate) fn new(dialect: Dialect, tables: &OutboxTables) -> Self {
+        let (o, i) = (tables.outbox(), tables.inbox());
+        let (enqueue, select_by_id, inbox_insert) = match dialect {
+            Dialect::Sqlite => (
+                format!(
+                    "INSERT INTO {o} ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO NOTHING"
+                ),
+                format!("SELECT {COLUMNS} FROM {o} WHERE id = ?"),
+                format!(
+                    "INSERT INTO {i} (message_id, received_at) VALUES (?, ?) ON CONFLICT(message_id) DO NOTHING"
+                ),
+            ),
+            Dialect::Postgres => (
+                format!(
+                    "INSERT INTO {o} ({COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) ON CONFLICT (id) DO NOTHING"
+                ),
+                format!("SELECT {COLUMNS} FROM {o} WHERE id = $1"),
+                format!(
+                    "INSERT INTO {i} (message_id, received_at) VALUES ($1, $2) ON CONFLICT (message_id) DO NOTHING"
+                ),
+            ),
+        };
+        Self {
+            dialect,
+            outbox_table: o.into(),
+            enqueue: enqueue.into(),
+            select_by_id: select_by_id.into(),
+            inbox_insert: inbox_insert.into(),
+        }
+    }
+
+    /// The dialect these statements are written in.
+    pub fn dialect(&self) -> Dialect {
+        self.dialect
+    }
+
+    /// The single-row enqueue: upstream's `INSERT … ON CONFLICT … DO NOTHING`.
+    pub fn enqueue(&self) -> &str {
+        &self.enqueue
+    }
+
+    /// Reads one stored row by id (used when an enqueue hits an existing id).
+    pub fn select_by_id(&self) -> &str {
+        &self.select_by_id
+    }
+
+    /// The inbox insert: upstream's statement; its affected-row count decides the receipt.
+    pub fn inbox_insert(&self) -> &str {
+        &self.inbox_insert
+    }
+}

@@ -1,0 +1,127 @@
+//! NATS subject rules: validating subjects and escaping values placed into them.
+
+use std::borrow::Cow;
+
+/// Whether `c` is matched by JavaScript's `\s` (WhiteSpace and LineTerminator).
+///
+/// Trellis escapes exactly this set, so the port must not use Rust's `char::is_whitespace`,
+/// which differs (it includes U+0085 and excludes U+FEFF).
+pub(crate) fn is_js_whitespace(c: char) -> bool {
+    matches!(
+        c,
+        '\t' | '\n'
+            | '\u{b}'
+            | '\u{c}'
+            | '\r'
+            | ' '
+            | '\u{a0}'
+            | '\u{1680}'
+            | '\u{2000}'..='\u{200a}'
+            | '\u{2028}'
+            | '\u{2029}'
+            | '\u{202f}'
+            | '\u{205f}'
+            | '\u{3000}'
+            | '\u{feff}'
+    )
+}
+
+/// Escapes a value so it is exactly one literal NATS subject token, as Trellis does
+/// (spec §C.1 step 2).
+///
+/// Every character matching `[\u0000\s.*>~]` becomes `~HEX~` (the code point in uppercase
+/// hexadecimal), and an empty result or one starting with `$` gets a `_` prefix. A value can
+/// therefore never add a token, a wildcard, or reach a `$`-prefixed system subject.
+///
+/// # Examples
+///
+/// ```
+/// use trellis_outbox::escape_subject_token;
+///
+/// assert_eq!(escape_subject_token("order-42"), "order-42");
+/// assert_eq!(escape_subject_token("a.b"), "a~2E~b");
+/// assert_eq!(escape_subject_token("a b"), "a~20~b");
+/// assert_eq!(escape_subject_token("*"), "~2A~");
+/// assert_eq!(escape_subject_token(">"), "~3E~");
+/// assert_eq!(escape_subject_token("~"), "~7E~");
+/// assert_eq!(escape_subject_token(""), "_");
+/// assert_eq!(escape_subject_token("$x"), "_$x");
+/// ```
+pub fn escape_subject_token(value: &str) -> Cow<'_, str> {
+    let needs_escape = |c: char| matches!(c, '\0' | '.' | '*' | '>' | '~') || is_js_whitespace(c);
+    let escaped: Cow<'_, str> = if value.chars().any(needs_escape) {
+        let mut out = String::with_capacity(value.len() + 8);
+        for c in value.chars() {
+            if needs_escape(c) {
+                out.push('~');
+                out.push_str(&format!("{:X}", u32::from(c)));
+                out.push('~');
+            } else {
+                out.push(c);
+            }
+        }
+        Cow::Owned(out)
+    } else {
+        Cow::Borrowed(value)
+    };
+    if escaped.is_empty() || escaped.starts_with('$') {
+        Cow::Owned(format!("_{escaped}"))
+    } else {
+        escaped
+    }
+}
+
+/// Checks that `subject` is a literal NATS subject a message can be published to.
+///
+/// Returns a description of the first problem: empty, whitespace or control characters,
+/// an empty token (leading, trailing or doubled `.`), or a `*`/`>` wildcard token.
+pub(crate) fn subject_problem(subject: &str) -> Option<String> {
+    if subject.is_empty() {
+        return Some("is empty".into());
+    }
+    if let Some(c) = subject
+        .chars()
+        .find(|&c| is_js_whitespace(c) || c.is_ascii_control())
+    {
+        return Some(format!("contains whitespace or a control character ({c:?})"));
+    }
+    for (index, token) in subject.split('.').enumerate() {
+        match token {
+            "" => return Some(format!("has an empty token at position {}", index + 1)),
+            "*" | ">" => {
+                return Some(format!(
+                    "contains the wildcard token `{token}`; outbox subjects must be literal"
+                ));
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escapes_like_trellis() {
+        assert_eq!(escape_subject_token("\0"), "~0~");
+        assert_eq!(escape_subject_token("a\tb"), "a~9~b");
+        assert_eq!(escape_subject_token("\u{3000}"), "~3000~");
+        assert_eq!(escape_subject_token("\u{feff}"), "~FEFF~");
+        // U+0085 is not in JavaScript's \s, so Trellis keeps it.
+        assert_eq!(escape_subject_token("\u{85}"), "\u{85}");
+        assert_eq!(escape_subject_token("ünïcødé"), "ünïcødé");
+        assert_eq!(escape_subject_token("$"), "_$");
+        assert_eq!(escape_subject_token("x$"), "x$");
+    }
+
+    #[test]
+    fn validates_subjects() {
+        assert_eq!(subject_problem("events.v1.Thing.Changed"), None);
+        assert_eq!(subject_problem("events.v1.a*b.c>d"), None);
+        for bad in ["", "a b", "a..b", ".a", "a.", "a.*.b", "a.>", "a\nb", "a\0b"] {
+            assert!(subject_problem(bad).is_some(), "{bad:?} accepted");
+        }
+    }
+}
