@@ -1,0 +1,266 @@
+//! Migration artifacts (spec §B.2–§B.4, §G 17–19) and `migrate` on real databases.
+
+use futures::future::join_all;
+use trellis_outbox::{
+    migrate, migrate_with, migration_script, migrations, Dialect, Error, OutboxTables,
+    TableKind,
+};
+use trellis_outbox_tests::{TestPg, TestSqlite};
+
+fn service_tables() -> OutboxTables {
+    OutboxTables::new("service_outbox", "service_inbox").unwrap()
+}
+
+// Expected checksums were computed with the reference Python implementation in the spec
+// (§B.4), not with this crate.
+#[test]
+fn ids_versions_and_checksums_match_upstream() {
+    let cases = [
+        (Dialect::Sqlite, OutboxTables::default(), "trellis_sql_outbox_inbox_sqlite_v1", "fnv1a64:8178e5295d0acfeb"),
+        (Dialect::Postgres, OutboxTables::default(), "trellis_sql_outbox_inbox_postgres_v1", "fnv1a64:475148d1080cf8cf"),
+        (Dialect::Sqlite, service_tables(), "trellis_sql_outbox_inbox_sqlite_v1", "fnv1a64:d10ccc8ff04a835d"),
+        (Dialect::Postgres, service_tables(), "trellis_sql_outbox_inbox_postgres_v1", "fnv1a64:cb095f4939d76a4d"),
+    ];
+    for (dialect, tables, id, checksum) in cases {
+        let all = migrations(dialect, &tables);
+        let v1 = &all[0];
+        assert_eq!(v1.id, id);
+        assert_eq!(v1.version, 1);
+        assert_eq!(v1.dialect, dialect);
+        assert_eq!(v1.checksum, checksum, "{dialect} {tables:?}");
+        assert_eq!(v1.up.len(), 3);
+        assert_eq!(v1.down.len(), 3);
+        assert!(all.windows(2).all(|w| w[0].version < w[1].version));
+    }
+}
+
+#[test]
+fn v1_sql_is_upstreams_text() {
+    let m = &migrations(Dialect::Sqlite, &OutboxTables::default())[0];
+    assert_eq!(
+        m.up,
+        [
+            "CREATE TABLE IF NOT EXISTS trellis_outbox (id TEXT PRIMARY KEY, kind TEXT NOT NULL, name TEXT NOT NULL, subject TEXT NOT NULL, payload TEXT NOT NULL, headers TEXT NOT NULL, state TEXT NOT NULL, attempts INTEGER NOT NULL, created_at TEXT NOT NULL, updated_at TEXT NOT NULL, next_attempt_at TEXT, last_error TEXT, outcome TEXT)",
+            "CREATE INDEX IF NOT EXISTS trellis_outbox_due_idx ON trellis_outbox (state, next_attempt_at)",
+            "CREATE TABLE IF NOT EXISTS trellis_inbox (message_id TEXT PRIMARY KEY, received_at TEXT NOT NULL)",
+        ]
+    );
+    assert_eq!(
+        m.down,
+        [
+            "DROP INDEX IF EXISTS trellis_outbox_due_idx",
+            "DROP TABLE IF EXISTS trellis_inbox",
+            "DROP TABLE IF EXISTS trellis_outbox",
+        ]
+    );
+}
+
+// §G 18.
+#[test]
+fn migrations_include_table_names_and_key_columns() {
+    let sqlite = migrations(Dialect::Sqlite, &service_tables())[0].up.join("\n");
+    for needle in [
+        "CREATE TABLE IF NOT EXISTS service_outbox",
+        "id TEXT PRIMARY KEY",
+        "kind TEXT NOT NULL",
+        "name TEXT NOT NULL",
+        "subject TEXT NOT NULL",
+        "payload TEXT NOT NULL",
+        "headers TEXT NOT NULL",
+        "CREATE TABLE IF NOT EXISTS service_inbox (message_id TEXT PRIMARY KEY",
+    ] {
+        assert!(sqlite.contains(needle), "sqlite up lacks {needle}");
+    }
+    let pg = migrations(Dialect::Postgres, &OutboxTables::default())[0].up.join("\n");
+    for needle in [
+        "id text PRIMARY KEY",
+        "headers jsonb NOT NULL",
+        "created_at timestamptz NOT NULL",
+        "message_id text PRIMARY KEY",
+    ] {
+        assert!(pg.contains(needle), "postgres up lacks {needle}");
+    }
+}
+
+// §G 19, plus the list. A rejected name never reaches SQL: every API takes
+// `OutboxTables`, which cannot be built from it.
+#[test]
+fn unsafe_table_names_are_rejected() {
+    for bad in ["tenant.trellis_outbox", "tenant.x", "a b", "x;drop table y", "", "1abc", "abc\n"] {
+        let err = OutboxTables::new(bad, "trellis_inbox").unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidTableName { kind: TableKind::Outbox, name } if name == bad),
+            "{err:?}"
+        );
+        assert_eq!(
+            err.to_string(),
+            format!("Invalid SQL outbox table name \"{bad}\". Use a simple identifier matching ^[A-Za-z_][A-Za-z0-9_]*$.")
+        );
+    }
+    let err = OutboxTables::new("trellis_outbox", "trellis-inbox").unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "Invalid SQL inbox table name \"trellis-inbox\". Use a simple identifier matching ^[A-Za-z_][A-Za-z0-9_]*$."
+    );
+}
+
+#[test]
+fn script_is_pasteable() {
+    let sql = migration_script(Dialect::Sqlite, &OutboxTables::default());
+    assert!(sql.starts_with("-- trellis_sql_outbox_inbox_sqlite_v1 (up), version 1, fnv1a64:8178e5295d0acfeb\n"));
+    assert_eq!(sql.matches(";\n").count(), 3);
+}
+
+async fn pg_table_exists(pool: &sqlx::PgPool, name: &str) -> bool {
+    sqlx::query_scalar::<_, bool>("SELECT to_regclass($1) IS NOT NULL")
+        .bind(name)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+async fn sqlite_table_exists(pool: &sqlx::SqlitePool, name: &str) -> bool {
+    sqlx::query_scalar::<_, i64>("SELECT count(*) FROM sqlite_master WHERE name = ?")
+        .bind(name)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+        == 1
+}
+
+#[tokio::test]
+async fn pg_migrate_twice_is_a_no_op() {
+    let db = TestPg::new().await;
+    let first = migrate(&db.pool).await.unwrap();
+    assert_eq!(first.applied, ["trellis_sql_outbox_inbox_postgres_v1"]);
+    assert!(first.already_applied.is_empty());
+    for table in ["trellis_outbox", "trellis_inbox", "trellis_outbox_due_idx", "trellis_outbox_migrations"] {
+        assert!(pg_table_exists(&db.pool, table).await, "{table} missing");
+    }
+    let second = migrate(&db.pool).await.unwrap();
+    assert!(second.applied.is_empty());
+    assert_eq!(second.already_applied, ["trellis_sql_outbox_inbox_postgres_v1"]);
+    let (id, checksum): (String, String) = sqlx::query_as(
+        "SELECT id, checksum FROM trellis_outbox_migrations WHERE outbox_table = 'trellis_outbox' AND version = 1",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(id, "trellis_sql_outbox_inbox_postgres_v1");
+    assert_eq!(checksum, "fnv1a64:475148d1080cf8cf");
+    db.close().await;
+}
+
+#[tokio::test]
+async fn sqlite_migrate_twice_is_a_no_op() {
+    let db = TestSqlite::new().await;
+    let first = migrate(&db.pool).await.unwrap();
+    assert_eq!(first.applied, ["trellis_sql_outbox_inbox_sqlite_v1"]);
+    for table in ["trellis_outbox", "trellis_inbox", "trellis_outbox_due_idx", "trellis_outbox_migrations"] {
+        assert!(sqlite_table_exists(&db.pool, table).await, "{table} missing");
+    }
+    let second = migrate(&db.pool).await.unwrap();
+    assert!(second.applied.is_empty());
+    assert_eq!(second.already_applied, ["trellis_sql_outbox_inbox_sqlite_v1"]);
+}
+
+#[tokio::test]
+async fn pg_tampered_checksum_is_refused() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    sqlx::query("UPDATE trellis_outbox_migrations SET checksum = 'fnv1a64:0000000000000000'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let err = migrate(&db.pool).await.unwrap_err();
+    match &err {
+        Error::ChecksumMismatch { id, version, recorded, expected } => {
+            assert_eq!(id, "trellis_sql_outbox_inbox_postgres_v1");
+            assert_eq!(*version, 1);
+            assert_eq!(recorded, "fnv1a64:0000000000000000");
+            assert_eq!(expected, "fnv1a64:475148d1080cf8cf");
+        }
+        other => panic!("expected ChecksumMismatch, got {other:?}"),
+    }
+    assert!(err.to_string().contains("trellis_sql_outbox_inbox_postgres_v1"));
+    assert!(!err.is_retryable());
+    db.close().await;
+}
+
+#[tokio::test]
+async fn sqlite_tampered_checksum_is_refused() {
+    let db = TestSqlite::new().await;
+    migrate(&db.pool).await.unwrap();
+    sqlx::query("UPDATE trellis_outbox_migrations SET checksum = 'fnv1a64:1111111111111111'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let err = migrate(&db.pool).await.unwrap_err();
+    assert!(
+        matches!(&err, Error::ChecksumMismatch { id, .. } if id == "trellis_sql_outbox_inbox_sqlite_v1"),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
+async fn pg_concurrent_migrations_apply_once() {
+    let db = TestPg::new().await;
+    let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
+    let applied: usize = reports
+        .into_iter()
+        .map(|r| r.unwrap().applied.len())
+        .sum();
+    assert_eq!(applied, 1);
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox_migrations")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
+    db.close().await;
+}
+
+#[tokio::test]
+async fn sqlite_concurrent_migrations_apply_once() {
+    let db = TestSqlite::new().await;
+    let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
+    let applied: usize = reports
+        .into_iter()
+        .map(|r| r.unwrap().applied.len())
+        .sum();
+    assert_eq!(applied, 1);
+}
+
+#[tokio::test]
+async fn pg_custom_tables_are_separate_and_default_ones_untouched() {
+    let db = TestPg::new().await;
+    let report = migrate_with(&db.pool, &service_tables()).await.unwrap();
+    assert_eq!(report.applied.len(), 1);
+    assert!(pg_table_exists(&db.pool, "service_outbox").await);
+    assert!(pg_table_exists(&db.pool, "service_inbox").await);
+    assert!(!pg_table_exists(&db.pool, "trellis_outbox").await);
+    // The default tables are migrated independently in the same database.
+    assert_eq!(migrate(&db.pool).await.unwrap().applied.len(), 1);
+    assert!(pg_table_exists(&db.pool, "trellis_outbox").await);
+    db.close().await;
+}
+
+// A database prepared by the TypeScript service with upstream's DDL keeps its rows and is
+// recognised as being at version 1.
+#[tokio::test]
+async fn sqlite_adopts_a_table_created_by_trellis_ts() {
+    let db = TestSqlite::new().await;
+    for statement in &migrations(Dialect::Sqlite, &OutboxTables::default())[0].up {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(statement.clone())).execute(&db.pool).await.unwrap();
+    }
+    sqlx::query("INSERT INTO trellis_outbox VALUES ('ts-1', 'event.publish', 'A.B', 'events.v1.A.B', '{}', '{}', 'pending', 0, '2026-05-25T00:00:00.000Z', '2026-05-25T00:00:00.000Z', NULL, NULL, NULL)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let report = migrate(&db.pool).await.unwrap();
+    assert_eq!(report.applied, ["trellis_sql_outbox_inbox_sqlite_v1"]);
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
+}
