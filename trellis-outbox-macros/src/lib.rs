@@ -1,1 +1,79 @@
-//! Procedural macros for `trellis-outbox`. Use them through the `trellis_outbox` crate.
+//! Procedural macros for `trellis-outbox`. Use them through the `trellis_outbox` crate, which
+//! re-exports them and documents them with examples that are compiled and tested.
+//!
+//! The code is split parse → validate → expand: `attr` (darling receivers), `validate`
+//! (cross-field rules, every error at its own span) and `expand` (code generation on
+//! `proc_macro2` types, unit- and snapshot-tested).
+
+mod attr;
+mod expand;
+mod validate;
+
+use proc_macro::TokenStream;
+
+/// Derives `trellis_outbox::OutboxEvent` and `trellis_outbox::ToOutboxRecord` for a struct
+/// with named fields that also derives `serde::Serialize`.
+///
+/// ```ignore
+/// #[derive(serde::Serialize, trellis_outbox::OutboxEvent)]
+/// #[outbox(name = "Orders.Shipped", subject = "events.v1.Orders.Shipped.{order_id}")]
+/// pub struct OrderShipped {
+///     pub order_id: String,
+///     pub carrier: String,
+/// }
+/// ```
+///
+/// # Struct attributes: `#[outbox(...)]`
+///
+/// - `name = "Orders.Shipped"` (required): the event name, stored as the record's `name`
+///   and available as `OrderShipped::OUTBOX_NAME`.
+/// - `subject = "events.v1.Orders.Shipped.{order_id}"` (required): the subject template,
+///   available as written as `OrderShipped::OUTBOX_SUBJECT`. A `{field}` token is replaced by
+///   the field's `Display` output, escaped as Trellis does (`.`, `*`, `>`, `~`, whitespace and
+///   NUL become `~HEX~`; an empty or `$`-leading value gets a `_` prefix). Literal tokens are
+///   checked at compile time: no whitespace, no empty token, no `*`/`>` wildcard.
+/// - `crate = "path"`: where to find `trellis_outbox` when it is re-exported, e.g.
+///   `#[outbox(crate = "my_app::outbox", ...)]`.
+///
+/// # Field attributes
+///
+/// - `#[outbox(id)]` on at most one field: its `Display` output is the record id (and the
+///   `Nats-Msg-Id` header) instead of a new ULID, for deterministic idempotency.
+///
+/// Other attributes (`#[serde(...)]`, …) are left alone; the payload is serde's output, so
+/// they apply. See the `trellis_outbox::OutboxEvent` trait for compiled examples.
+#[proc_macro_derive(OutboxEvent, attributes(outbox))]
+pub fn derive_outbox_event(input: TokenStream) -> TokenStream {
+    let input = syn::parse_macro_input!(input as syn::DeriveInput);
+    expand::derive_event(&input).into()
+}
+
+/// Makes a `serde::Serialize` struct a Trellis job request that can be written to the outbox
+/// (`tx.enqueue_job(&job)`), implementing `trellis_outbox::OutboxJob` and
+/// `trellis_outbox::ToOutboxRecord`. Put it above `#[derive(serde::Serialize)]`.
+///
+/// ```ignore
+/// #[trellis_outbox::outbox_job(queue = "syncCustomer", service = "billing", job_type = "sync-customer")]
+/// #[derive(serde::Serialize)]
+/// pub struct SyncCustomer {
+///     pub customer_id: String,
+/// }
+/// ```
+///
+/// # Arguments
+///
+/// - `queue = "syncCustomer"` (required): the queue key; the record's `name` and
+///   `SyncCustomer::OUTBOX_NAME`.
+/// - `service = "billing"` (required) and `job_type = "sync-customer"` (required): each a
+///   single subject token (checked at compile time); the subject prefix is
+///   `trellis.jobs.<service>.<job_type>` (`SyncCustomer::OUTBOX_SUBJECT_PREFIX`).
+/// - `mode = "create"` (default) or `mode = "submit"`: record kind `job.create` or
+///   `job.submit`.
+/// - `crate = "path"`: where to find `trellis_outbox` when it is re-exported.
+///
+/// A field that would serialize as `jobId` or `submissionId` is a compile error: those keys
+/// are added to the payload. See the `trellis_outbox::OutboxJob` trait for compiled examples.
+#[proc_macro_attribute]
+pub fn outbox_job(args: TokenStream, item: TokenStream) -> TokenStream {
+    expand::outbox_job(args.into(), item.into()).into()
+}

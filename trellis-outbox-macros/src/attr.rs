@@ -1,0 +1,308 @@
+//! Attribute parsing (darling receivers). Builds a typed model; never generates code.
+
+use darling::ast::{Data, NestedMeta};
+use darling::util::Flag;
+use darling::{FromDeriveInput, FromField, FromMeta};
+use syn::{Attribute, Expr, Ident, Lit, LitStr, Meta, Type};
+
+/// A string-literal attribute value, with a message naming the key when it is something else.
+#[derive(Debug, Clone)]
+pub(crate) struct StrLit(pub(crate) LitStr);
+
+impl StrLit {
+    pub(crate) fn value(&self) -> String {
+        self.0.value()
+    }
+}
+
+impl FromMeta for StrLit {
+    fn from_meta(item: &Meta) -> darling::Result<Self> {
+        let key = item
+            .path()
+            .get_ident()
+            .map_or_else(|| "value".to_owned(), ToString::to_string);
+        match item {
+            Meta::NameValue(nv) => {
+                let mut expr = &nv.value;
+                while let Expr::Group(group) = expr {
+                    expr = &group.expr;
+                }
+                match expr {
+                    Expr::Lit(lit) => match &lit.lit {
+                        Lit::Str(s) => Ok(StrLit(s.clone())),
+                        other => Err(darling::Error::custom(format!(
+                            "`{key}` must be a string literal, e.g. `{key} = \"...\"`"
+                        ))
+                        .with_span(other)),
+                    },
+                    other => Err(darling::Error::custom(format!(
+                        "`{key}` must be a string literal, e.g. `{key} = \"...\"`; \
+                         constants and macros are not supported"
+                    ))
+                    .with_span(other)),
+                }
+            }
+            _ => Err(
+                darling::Error::custom(format!("`{key}` needs a value: `{key} = \"...\"`"))
+                    .with_span(item),
+            ),
+        }
+    }
+}
+
+/// `#[derive(OutboxEvent)]` input: the struct and its `#[outbox(...)]` attribute.
+#[derive(Debug, FromDeriveInput)]
+#[darling(attributes(outbox))]
+pub(crate) struct EventInput {
+    pub(crate) data: Data<darling::util::Ignored, EventField>,
+    /// `name = "Orders.Shipped"` (required).
+    pub(crate) name: Option<StrLit>,
+    /// `subject = "events.v1.Orders.Shipped.{order_id}"` (required).
+    pub(crate) subject: Option<StrLit>,
+    /// `crate = "path"`.
+    #[darling(rename = "crate")]
+    pub(crate) krate: Option<StrLit>,
+}
+
+/// A field of an event struct and its `#[outbox(...)]` attribute.
+#[derive(Debug, FromField)]
+#[darling(attributes(outbox))]
+pub(crate) struct EventField {
+    pub(crate) ident: Option<Ident>,
+    pub(crate) ty: Type,
+    /// `#[outbox(id)]`: this field's value is the record id.
+    pub(crate) id: Flag,
+}
+
+/// `#[outbox_job(...)]` arguments.
+#[derive(Debug, FromMeta)]
+pub(crate) struct JobArgs {
+    /// `queue = "syncCustomer"` (required).
+    pub(crate) queue: Option<StrLit>,
+    /// `service = "billing"` (required).
+    pub(crate) service: Option<StrLit>,
+    /// `job_type = "sync-customer"` (required).
+    pub(crate) job_type: Option<StrLit>,
+    /// `mode = "create" | "submit"` (default `create`).
+    pub(crate) mode: Option<StrLit>,
+    /// `crate = "path"`.
+    #[darling(rename = "crate")]
+    pub(crate) krate: Option<StrLit>,
+}
+
+impl JobArgs {
+    pub(crate) fn parse(args: proc_macro2::TokenStream) -> darling::Result<Self> {
+        let list = NestedMeta::parse_meta_list(args)?;
+        Self::from_list(&list)
+    }
+}
+
+/// Best-effort `crate = "path"` lookup for inputs too broken to validate: the stubs emitted
+/// after an error must name the same crate path as a successful expansion would.
+pub(crate) fn find_crate_path(metas: &[NestedMeta]) -> Option<StrLit> {
+    metas.iter().find_map(|meta| match meta {
+        NestedMeta::Meta(meta @ Meta::NameValue(nv)) if nv.path.is_ident("crate") => {
+            StrLit::from_meta(meta).ok()
+        }
+        _ => None,
+    })
+}
+
+/// [`find_crate_path`] in the `#[outbox(...)]` attributes of a derive input.
+pub(crate) fn find_crate_path_in_attrs(attrs: &[Attribute]) -> Option<StrLit> {
+    attrs
+        .iter()
+        .filter(|a| a.path().is_ident("outbox"))
+        .filter_map(|a| match &a.meta {
+            Meta::List(list) => NestedMeta::parse_meta_list(list.tokens.clone()).ok(),
+            _ => None,
+        })
+        .find_map(|metas| find_crate_path(&metas))
+}
+
+/// What serde does with a field when serializing, as far as the payload's keys are concerned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum SerdeKey {
+    /// Serialized under this key.
+    Key(String),
+    /// Not serialized (`skip`, `skip_serializing`).
+    Skipped,
+    /// Its keys are the nested value's (`flatten`): unknown at compile time.
+    Flattened,
+}
+
+/// Reads the container's `#[serde(rename_all = "...")]` (or `rename_all(serialize = "...")`).
+/// Anything else inside `#[serde(...)]` is ignored: serde itself reports its own mistakes.
+pub(crate) fn serde_rename_all(attrs: &[Attribute]) -> Option<String> {
+    let mut rule = None;
+    for attr in attrs.iter().filter(|a| a.path().is_ident("serde")) {
+        let _ = attr.parse_nested_meta(|meta| {
+            if meta.path.is_ident("rename_all") {
+                rule = rename_value(&meta)?.or(rule.take());
+            } else {
+                skip_meta(&meta)?;
+            }
+            Ok(())
+        });
+    }
+    rule
+}
+
+/// The key a field serializes as, given the container's `rename_all` rule.
+pub(crate) fn serde_key(ident: &Ident, attrs: &[Attribute], rename_all: Option<&str>) -> SerdeKey {
+    let mut rename = None;
+    let mut skipped = false;
+    let mut flattened = false;
+    for attr in attrs.iter().filter(|a| a.path().is_ident("serde")) {
+        let _ = attr.parse_nested_meta(|meta| {
+            if meta.path.is_ident("rename") {
+                rename = rename_value(&meta)?.or(rename.take());
+            } else if meta.path.is_ident("skip") || meta.path.is_ident("skip_serializing") {
+                skipped = true;
+            } else if meta.path.is_ident("flatten") {
+                flattened = true;
+            } else {
+                skip_meta(&meta)?;
+            }
+            Ok(())
+        });
+    }
+    if skipped {
+        return SerdeKey::Skipped;
+    }
+    if flattened {
+        return SerdeKey::Flattened;
+    }
+    let name = ident.to_string();
+    let name = name.strip_prefix("r#").unwrap_or(&name).to_owned();
+    SerdeKey::Key(match (rename, rename_all) {
+        (Some(rename), _) => rename,
+        (None, Some(rule)) => apply_rename_rule(rule, &name),
+        (None, None) => name,
+    })
+}
+
+/// `rename = "x"` or `rename(serialize = "x", deserialize = "y")`: the serialize name.
+fn rename_value(meta: &syn::meta::ParseNestedMeta<'_>) -> syn::Result<Option<String>> {
+    if meta.input.peek(syn::Token![=]) {
+        let lit: LitStr = meta.value()?.parse()?;
+        return Ok(Some(lit.value()));
+    }
+    let mut found = None;
+    if meta.input.peek(syn::token::Paren) {
+        meta.parse_nested_meta(|inner| {
+            if inner.path.is_ident("serialize") {
+                let lit: LitStr = inner.value()?.parse()?;
+                found = Some(lit.value());
+            } else {
+                skip_meta(&inner)?;
+            }
+            Ok(())
+        })?;
+    }
+    Ok(found)
+}
+
+/// Consumes whatever follows a nested meta path (`= expr` or `(...)`).
+fn skip_meta(meta: &syn::meta::ParseNestedMeta<'_>) -> syn::Result<()> {
+    if meta.input.peek(syn::Token![=]) {
+        let _: Expr = meta.value()?.parse()?;
+    } else if meta.input.peek(syn::token::Paren) {
+        let _group: proc_macro2::Group = meta.input.parse()?;
+    }
+    Ok(())
+}
+
+/// serde's `RenameRule::apply_to_field` (field names are snake_case by convention).
+pub(crate) fn apply_rename_rule(rule: &str, field: &str) -> String {
+    let pascal = || {
+        let mut out = String::new();
+        let mut capitalize = true;
+        for c in field.chars() {
+            if c == '_' {
+                capitalize = true;
+            } else if capitalize {
+                out.push(c.to_ascii_uppercase());
+                capitalize = false;
+            } else {
+                out.push(c);
+            }
+        }
+        out
+    };
+    match rule {
+        "UPPERCASE" | "SCREAMING_SNAKE_CASE" => field.to_ascii_uppercase(),
+        "PascalCase" => pascal(),
+        "camelCase" => {
+            let pascal = pascal();
+            let mut chars = pascal.chars();
+            match chars.next() {
+                Some(first) => first.to_ascii_lowercase().to_string() + chars.as_str(),
+                None => pascal,
+            }
+        }
+        "kebab-case" => field.replace('_', "-"),
+        "SCREAMING-KEBAB-CASE" => field.to_ascii_uppercase().replace('_', "-"),
+        // "lowercase", "snake_case", and rules serde itself rejects.
+        _ => field.to_owned(),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use syn::parse_quote;
+
+    #[test]
+    fn rename_rules_match_serde() {
+        assert_eq!(apply_rename_rule("camelCase", "job_id"), "jobId");
+        assert_eq!(apply_rename_rule("PascalCase", "job_id"), "JobId");
+        assert_eq!(apply_rename_rule("kebab-case", "job_id"), "job-id");
+        assert_eq!(
+            apply_rename_rule("SCREAMING-KEBAB-CASE", "job_id"),
+            "JOB-ID"
+        );
+        assert_eq!(
+            apply_rename_rule("SCREAMING_SNAKE_CASE", "job_id"),
+            "JOB_ID"
+        );
+        assert_eq!(apply_rename_rule("snake_case", "job_id"), "job_id");
+    }
+
+    #[test]
+    fn serde_keys() {
+        let input: syn::DeriveInput = parse_quote! {
+            #[serde(rename_all(serialize = "camelCase", deserialize = "snake_case"), deny_unknown_fields)]
+            struct S {
+                job_id: u8,
+                #[serde(rename = "x", default)] a: u8,
+                #[serde(rename(deserialize = "d", serialize = "s"))] b: u8,
+                #[serde(skip_serializing_if = "Option::is_none", skip)] c: u8,
+                #[serde(flatten)] d: u8,
+                #[serde(with = "m")] r#type: u8,
+            }
+        };
+        let rule = serde_rename_all(&input.attrs);
+        assert_eq!(rule.as_deref(), Some("camelCase"));
+        let syn::Data::Struct(data) = input.data else {
+            unreachable!()
+        };
+        let keys: Vec<SerdeKey> = data
+            .fields
+            .iter()
+            .map(|f| serde_key(f.ident.as_ref().unwrap(), &f.attrs, rule.as_deref()))
+            .collect();
+        assert_eq!(
+            keys,
+            vec![
+                SerdeKey::Key("jobId".into()),
+                SerdeKey::Key("x".into()),
+                SerdeKey::Key("s".into()),
+                SerdeKey::Skipped,
+                SerdeKey::Flattened,
+                SerdeKey::Key("type".into()),
+            ]
+        );
+    }
+}

@@ -1,0 +1,481 @@
+//! Validation: turns parsed attributes into a checked model, reporting every problem at the
+//! user's span. Generates no code.
+
+use darling::FromDeriveInput;
+use proc_macro2::{Span, TokenStream};
+use quote::ToTokens;
+use syn::{Data, DeriveInput, Fields, Generics, Ident, LitStr, Path, Type, Visibility};
+
+use crate::attr::{self, EventInput, JobArgs, SerdeKey, StrLit};
+
+/// A checked `#[derive(OutboxEvent)]` input.
+#[derive(Debug)]
+pub(crate) struct Event {
+    pub(crate) ident: Ident,
+    pub(crate) vis: Visibility,
+    pub(crate) generics: Generics,
+    pub(crate) krate: Path,
+    pub(crate) name: String,
+    pub(crate) template: String,
+    pub(crate) subject: Vec<SubjectPart>,
+    pub(crate) id_field: Option<FieldRef>,
+}
+
+/// A named field used by the generated code.
+#[derive(Debug, Clone)]
+pub(crate) struct FieldRef {
+    pub(crate) ident: Ident,
+    pub(crate) ty: Type,
+}
+
+/// A piece of a subject template: literal text (dots included) or a field placeholder.
+#[derive(Debug)]
+pub(crate) enum SubjectPart {
+    Literal(String),
+    Field(Box<FieldRef>),
+}
+
+/// A checked `#[outbox_job(...)]` input.
+#[derive(Debug)]
+pub(crate) struct Job {
+    pub(crate) ident: Ident,
+    pub(crate) vis: Visibility,
+    pub(crate) generics: Generics,
+    pub(crate) krate: Path,
+    pub(crate) queue: String,
+    pub(crate) service: String,
+    pub(crate) job_type: String,
+    pub(crate) submit: bool,
+}
+
+/// The crate path to use when the input is too broken to validate.
+pub(crate) fn fallback_crate_path(krate: Option<&StrLit>) -> Path {
+    krate
+        .and_then(|lit| lit.0.parse::<Path>().ok())
+        .unwrap_or_else(default_crate_path)
+}
+
+fn default_crate_path() -> Path {
+    syn::parse_quote!(::trellis_outbox)
+}
+
+fn crate_path(krate: Option<&StrLit>, errors: &mut darling::error::Accumulator) -> Path {
+    match krate {
+        None => default_crate_path(),
+        Some(lit) => match lit.0.parse::<Path>() {
+            Ok(path) => path,
+            Err(_) => {
+                errors.push(
+                    darling::Error::custom(
+                        "`crate` must be a path to the trellis-outbox crate, e.g. `crate = \"my_app::outbox\"`",
+                    )
+                    .with_span(&lit.0),
+                );
+                default_crate_path()
+            }
+        },
+    }
+}
+
+/// Describes a non-named-struct shape for the "only supports structs" message.
+fn bad_shape(data: &Data) -> Option<&'static str> {
+    match data {
+        Data::Struct(s) => match s.fields {
+            Fields::Named(_) => None,
+            Fields::Unnamed(_) => Some("a tuple struct"),
+            Fields::Unit => Some("a unit struct"),
+        },
+        Data::Enum(_) => Some("an enum"),
+        Data::Union(_) => Some("a union"),
+    }
+}
+
+fn shape_error(what: &str, input: &DeriveInput, shape: &str) -> darling::Error {
+    darling::Error::custom(format!(
+        "{what} only supports structs with named fields, and `{}` is {shape}; \
+         wrap the data in a struct like `struct {} {{ ... }}`",
+        input.ident, input.ident
+    ))
+    .with_span(&input.ident)
+}
+
+/// Validates a `#[derive(OutboxEvent)]` input.
+pub(crate) fn event(input: &DeriveInput) -> darling::Result<Event> {
+    let mut errors = darling::Error::accumulator();
+    let shape = bad_shape(&input.data);
+    if let Some(shape) = shape {
+        errors.push(shape_error("`#[derive(OutboxEvent)]`", input, shape));
+        if matches!(input.data, Data::Union(_)) {
+            // darling cannot read a union's fields; the shape error says it all.
+            return Err(bail(errors, None));
+        }
+    }
+    let parsed = match EventInput::from_derive_input(input) {
+        Ok(parsed) => parsed,
+        Err(error) => return Err(bail(errors, Some(error))),
+    };
+    let krate = crate_path(parsed.krate.as_ref(), &mut errors);
+
+    let fields: Vec<&attr::EventField> = match &parsed.data {
+        darling::ast::Data::Struct(fields) if shape.is_none() => fields.iter().collect(),
+        _ => Vec::new(),
+    };
+
+    let has_outbox_attr = input.attrs.iter().any(|a| a.path().is_ident("outbox"));
+    if !has_outbox_attr && shape.is_none() {
+        errors.push(
+            darling::Error::custom(
+                "`#[derive(OutboxEvent)]` needs `#[outbox(name = \"...\", subject = \"...\")]` on the struct",
+            )
+            .with_span(&input.ident),
+        );
+    }
+    let name = match &parsed.name {
+        Some(lit) => {
+            check_name("name", &lit.0, &mut errors);
+            lit.value()
+        }
+        None => {
+            if has_outbox_attr {
+                errors.push(missing(
+                    &input.ident,
+                    "name",
+                    "Orders.Shipped",
+                    "the event name",
+                ));
+            }
+            String::new()
+        }
+    };
+    let (template, subject) = match &parsed.subject {
+        Some(lit) if shape.is_none() => {
+            let parts = parse_subject(&lit.0, &input.ident, &fields, &mut errors);
+            (lit.value(), parts)
+        }
+        Some(lit) => (lit.value(), Vec::new()),
+        None => {
+            if has_outbox_attr {
+                errors.push(missing(
+                    &input.ident,
+                    "subject",
+                    "events.v1.Orders.Shipped.{order_id}",
+                    "the subject template",
+                ));
+            }
+            (String::new(), Vec::new())
+        }
+    };
+
+    let mut id_field: Option<FieldRef> = None;
+    for field in &fields {
+        if !field.id.is_present() {
+            continue;
+        }
+        let Some(ident) = &field.ident else { continue };
+        match &id_field {
+            None => {
+                id_field = Some(FieldRef {
+                    ident: ident.clone(),
+                    ty: field.ty.clone(),
+                });
+            }
+            Some(first) => errors.push(
+                darling::Error::custom(format!(
+                    "`#[outbox(id)]` is already on field `{}`; only one field can be the record id",
+                    first.ident
+                ))
+                .with_span(&field.id.span()),
+            ),
+        }
+    }
+
+    errors.finish_with(Event {
+        ident: input.ident.clone(),
+        vis: input.vis.clone(),
+        generics: input.generics.clone(),
+        krate,
+        name,
+        template,
+        subject,
+        id_field,
+    })
+}
+
+/// Validates an `#[outbox_job(...)]` input.
+pub(crate) fn job(args: TokenStream, input: &DeriveInput) -> darling::Result<Job> {
+    let mut errors = darling::Error::accumulator();
+    let shape = bad_shape(&input.data);
+    if let Some(shape) = shape {
+        errors.push(shape_error("`#[outbox_job]`", input, shape));
+    }
+    let parsed = match JobArgs::parse(args) {
+        Ok(parsed) => parsed,
+        Err(error) => return Err(bail(errors, Some(error))),
+    };
+    let krate = crate_path(parsed.krate.as_ref(), &mut errors);
+
+    let queue = match &parsed.queue {
+        Some(lit) => {
+            check_name("queue", &lit.0, &mut errors);
+            lit.value()
+        }
+        None => {
+            errors.push(missing_job("queue", "syncCustomer", "the queue name"));
+            String::new()
+        }
+    };
+    let mut token = |key: &str, value: Option<&StrLit>, example: &str, what: &str| match value {
+        Some(lit) => {
+            if let Some(problem) = token_problem(&lit.value()) {
+                errors.push(
+                    darling::Error::custom(format!(
+                        "`{key}` must be a single NATS subject token: {problem}"
+                    ))
+                    .with_span(&lit.0),
+                );
+            }
+            lit.value()
+        }
+        None => {
+            errors.push(missing_job(key, example, what));
+            String::new()
+        }
+    };
+    let service = token(
+        "service",
+        parsed.service.as_ref(),
+        "billing",
+        "the service name",
+    );
+    let job_type = token(
+        "job_type",
+        parsed.job_type.as_ref(),
+        "sync-customer",
+        "the job type",
+    );
+    let submit = match &parsed.mode {
+        None => false,
+        Some(lit) => match lit.value().as_str() {
+            "create" => false,
+            "submit" => true,
+            other => {
+                errors.push(
+                    darling::Error::custom(format!(
+                        "unknown `mode` {other:?}: expected \"create\" (the default) or \"submit\""
+                    ))
+                    .with_span(&lit.0),
+                );
+                false
+            }
+        },
+    };
+
+    if let Data::Struct(data) = &input.data {
+        let rename_all = attr::serde_rename_all(&input.attrs);
+        for field in &data.fields {
+            let Some(ident) = &field.ident else { continue };
+            if let SerdeKey::Key(key) = attr::serde_key(ident, &field.attrs, rename_all.as_deref())
+                && (key == "jobId" || key == "submissionId")
+            {
+                errors.push(
+                    darling::Error::custom(format!(
+                        "field `{ident}` serializes as `{key}`, which `#[outbox_job]` adds to the payload itself; \
+                         rename it, e.g. `#[serde(rename = \"customer{}\")]`",
+                        upper_first(&key)
+                    ))
+                    .with_span(ident),
+                );
+            }
+        }
+    }
+
+    errors.finish_with(Job {
+        ident: input.ident.clone(),
+        vis: input.vis.clone(),
+        generics: input.generics.clone(),
+        krate,
+        queue,
+        service,
+        job_type,
+        submit,
+    })
+}
+
+/// Every error recorded so far plus `last`, as one error. Never empty: callers have recorded
+/// at least one error or pass `last`.
+fn bail(errors: darling::error::Accumulator, last: Option<darling::Error>) -> darling::Error {
+    let mut all = errors.into_inner();
+    all.extend(last);
+    if all.is_empty() {
+        all.push(darling::Error::custom("invalid input"));
+    }
+    darling::Error::multiple(all)
+}
+
+fn upper_first(s: &str) -> String {
+    let mut chars = s.chars();
+    match chars.next() {
+        Some(c) => c.to_ascii_uppercase().to_string() + chars.as_str(),
+        None => String::new(),
+    }
+}
+
+fn missing(ident: &Ident, key: &str, example: &str, what: &str) -> darling::Error {
+    darling::Error::custom(format!(
+        "missing `{key}` ({what}): add `{key} = \"{example}\"` to `#[outbox(...)]`"
+    ))
+    .with_span(ident)
+}
+
+fn missing_job(key: &str, example: &str, what: &str) -> darling::Error {
+    darling::Error::custom(format!(
+        "missing `{key}` ({what}): add `{key} = \"{example}\"` to `#[outbox_job(...)]`"
+    ))
+    .with_span(&Span::call_site())
+}
+
+/// Names (event names, queues): non-empty, no whitespace or control characters.
+fn check_name(key: &str, lit: &LitStr, errors: &mut darling::error::Accumulator) {
+    let value = lit.value();
+    let problem = if value.is_empty() {
+        "must not be empty"
+    } else if value.chars().any(|c| is_js_whitespace(c) || c.is_control()) {
+        "must not contain whitespace or control characters"
+    } else {
+        return;
+    };
+    errors.push(darling::Error::custom(format!("`{key}` {problem}")).with_span(lit));
+}
+
+/// Whether `c` is in JavaScript's `\s`, the set Trellis escapes (mirrors the runtime crate).
+fn is_js_whitespace(c: char) -> bool {
+    matches!(
+        c,
+        '\t' | '\n' | '\u{b}' | '\u{c}' | '\r' | ' ' | '\u{a0}' | '\u{1680}' | '\u{2000}'
+            ..='\u{200a}'
+                | '\u{2028}'
+                | '\u{2029}'
+                | '\u{202f}'
+                | '\u{205f}'
+                | '\u{3000}'
+                | '\u{feff}'
+    )
+}
+
+/// The problem with a literal subject token, if any.
+fn token_problem(token: &str) -> Option<String> {
+    if token.is_empty() {
+        return Some("it is empty".into());
+    }
+    if let Some(c) = token
+        .chars()
+        .find(|&c| is_js_whitespace(c) || c.is_control())
+    {
+        return Some(format!(
+            "`{token}` contains whitespace or a control character ({c:?})"
+        ));
+    }
+    if token.contains('.') {
+        return Some(format!("`{token}` contains `.`"));
+    }
+    if token == "*" || token == ">" {
+        return Some(format!(
+            "`{token}` is a wildcard; outbox subjects must be literal"
+        ));
+    }
+    None
+}
+
+/// Splits a subject template into literal runs and placeholders, reporting every problem.
+fn parse_subject(
+    lit: &LitStr,
+    ident: &Ident,
+    fields: &[&attr::EventField],
+    errors: &mut darling::error::Accumulator,
+) -> Vec<SubjectPart> {
+    let template = lit.value();
+    let mut error = |message: String| {
+        errors.push(darling::Error::custom(format!("`subject` {message}")).with_span(lit));
+    };
+    if template.is_empty() {
+        error("is empty; expected e.g. `events.v1.Orders.Shipped.{order_id}`".into());
+        return Vec::new();
+    }
+    let mut parts = Vec::new();
+    let mut literal = String::new();
+    for (index, token) in template.split('.').enumerate() {
+        if index > 0 {
+            literal.push('.');
+        }
+        let position = index + 1;
+        if let Some(inner) = token.strip_prefix('{').and_then(|t| t.strip_suffix('}')) {
+            let name = inner.trim();
+            let name = name.strip_prefix("r#").unwrap_or(name);
+            let field = fields
+                .iter()
+                .find(|f| f.ident.as_ref().is_some_and(|i| unraw(i) == name));
+            match field {
+                Some(field) if !inner.contains(['{', '}']) => {
+                    if !literal.is_empty() {
+                        parts.push(SubjectPart::Literal(std::mem::take(&mut literal)));
+                    }
+                    if let Some(field_ident) = &field.ident {
+                        parts.push(SubjectPart::Field(Box::new(FieldRef {
+                            ident: field_ident.clone(),
+                            ty: field.ty.clone(),
+                        })));
+                    }
+                }
+                _ if name.is_empty() => error(format!(
+                    "has an empty placeholder `{{}}` at token {position}; write the field name, e.g. `{{order_id}}`"
+                )),
+                _ => {
+                    let names: Vec<String> = fields
+                        .iter()
+                        .filter_map(|f| f.ident.as_ref().map(|i| format!("`{}`", unraw(i))))
+                        .collect();
+                    let known = if names.is_empty() {
+                        "it has no fields".to_owned()
+                    } else {
+                        format!("its fields are {}", names.join(", "))
+                    };
+                    error(format!(
+                        "placeholder `{{{inner}}}` does not name a field of `{ident}`; {known}"
+                    ));
+                }
+            }
+            continue;
+        }
+        if token.contains(['{', '}']) {
+            error(format!(
+                "token `{token}` mixes text and braces; a placeholder must be a whole token, e.g. `events.v1.Orders.Shipped.{{order_id}}`"
+            ));
+        } else if token.is_empty() {
+            error(format!(
+                "has an empty token at position {position} (a leading, trailing or doubled `.`)"
+            ));
+        } else if let Some(c) = token
+            .chars()
+            .find(|&c| is_js_whitespace(c) || c.is_control())
+        {
+            error(format!(
+                "contains whitespace or a control character ({c:?}) in token `{token}`"
+            ));
+        } else if token == "*" || token == ">" {
+            error(format!(
+                "contains the wildcard token `{token}`; outbox subjects must be literal \
+                 (use a `{{field}}` placeholder for a variable token)"
+            ));
+        }
+        literal.push_str(token);
+    }
+    if !literal.is_empty() {
+        parts.push(SubjectPart::Literal(literal));
+    }
+    parts
+}
+
+fn unraw(ident: &Ident) -> String {
+    let s = ident.to_token_stream().to_string();
+    s.strip_prefix("r#").map(str::to_owned).unwrap_or(s)
+}
