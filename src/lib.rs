@@ -56,7 +56,10 @@ impl TestPg {
             .await
             .unwrap_or_else(|e| panic!("cannot reach Postgres at {url}: {e}; {PG_HINT}"));
         sweep_stale(&mut conn).await;
-        let name = format!("trellis_t_{}", ulid::Ulid::generate().to_string().to_lowercase());
+        let name = format!(
+            "trellis_t_{}",
+            ulid::Ulid::generate().to_string().to_lowercase()
+        );
         sqlx::raw_sql(AssertSqlSafe(format!(
             "CREATE DATABASE {name} TEMPLATE template0"
         )))

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use serde_json::json;
 use trellis_outbox::{
-    migrate, migrate_with, Error, Outbox, OutboxMessageState, OutboxRecordKind, OutboxTables,
-    OutboxTransactionExt, PreparedOutboxRecord,
+    Error, Outbox, OutboxMessageState, OutboxRecordKind, OutboxTables, OutboxTransactionExt,
+    PreparedOutboxRecord, migrate, migrate_with,
 };
 use trellis_outbox_tests::{TestPg, TestSqlite};
 
@@ -55,7 +55,21 @@ async fn pg_commit_stores_exact_columns() {
     assert_eq!(stored.attempts, 0);
     assert_eq!(stored.created_at, stored.updated_at);
 
-    type Row = (String, String, String, String, String, serde_json::Value, String, i32, DateTime<Utc>, DateTime<Utc>, Option<DateTime<Utc>>, Option<String>, Option<serde_json::Value>);
+    type Row = (
+        String,
+        String,
+        String,
+        String,
+        String,
+        serde_json::Value,
+        String,
+        i32,
+        DateTime<Utc>,
+        DateTime<Utc>,
+        Option<DateTime<Utc>>,
+        Option<String>,
+        Option<serde_json::Value>,
+    );
     let row: Row = sqlx::query_as("SELECT id, kind, name, subject, payload, headers, state, attempts, created_at, updated_at, next_attempt_at, last_error, outcome FROM trellis_outbox")
         .fetch_one(&db.pool)
         .await
@@ -73,7 +87,11 @@ async fn pg_commit_stores_exact_columns() {
     assert_eq!(row.7, 0);
     assert_eq!(row.8, stored.created_at);
     assert_eq!(row.9, stored.created_at);
-    assert_eq!(row.8.timestamp_subsec_nanos() % 1_000_000, 0, "millisecond precision");
+    assert_eq!(
+        row.8.timestamp_subsec_nanos() % 1_000_000,
+        0,
+        "millisecond precision"
+    );
     assert_eq!((row.10, row.11, row.12), (None, None, None));
     db.close().await;
 }
@@ -86,7 +104,21 @@ async fn sqlite_commit_stores_exact_columns() {
     let stored = tx.enqueue(&rec).await.unwrap();
     tx.commit().await.unwrap();
 
-    type Row = (String, String, String, String, String, String, String, i64, String, String, Option<String>, Option<String>, Option<String>);
+    type Row = (
+        String,
+        String,
+        String,
+        String,
+        String,
+        String,
+        String,
+        i64,
+        String,
+        String,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+    );
     let row: Row = sqlx::query_as("SELECT id, kind, name, subject, payload, headers, state, attempts, created_at, updated_at, next_attempt_at, last_error, outcome FROM trellis_outbox")
         .fetch_one(&db.pool)
         .await
@@ -98,7 +130,11 @@ async fn sqlite_commit_stores_exact_columns() {
     assert_eq!(row.4, r#"{"documentId":"doc-1"}"#);
     let headers: BTreeMap<String, String> = serde_json::from_str(&row.5).unwrap();
     assert_eq!(headers, rec.headers);
-    assert!(row.5.starts_with("{\"Nats-Msg-Id\":"), "a JSON object of strings: {}", row.5);
+    assert!(
+        row.5.starts_with("{\"Nats-Msg-Id\":"),
+        "a JSON object of strings: {}",
+        row.5
+    );
     assert_eq!(row.6, "pending");
     assert_eq!(row.7, 0);
     assert!(is_iso_millis(&row.8), "created_at {:?}", row.8);
@@ -164,7 +200,13 @@ async fn pg_duplicate_id_keeps_and_returns_the_first_row() {
         .fetch_all(&db.pool)
         .await
         .unwrap();
-    assert_eq!(rows, [("Document.Processed".to_owned(), r#"{"documentId":"doc-1"}"#.to_owned())]);
+    assert_eq!(
+        rows,
+        [(
+            "Document.Processed".to_owned(),
+            r#"{"documentId":"doc-1"}"#.to_owned()
+        )]
+    );
     db.close().await;
 }
 
@@ -193,18 +235,28 @@ async fn pg_enqueue_all_writes_1000_records_in_order() {
     let stored = tx.enqueue_all(&records).await.unwrap();
     tx.commit().await.unwrap();
     assert_eq!(stored.len(), 1000);
-    assert!(stored.iter().zip(&records).all(|(s, r)| s.id == r.id && s.payload == r.payload));
-    let ids: Vec<String> = sqlx::query_scalar("SELECT id FROM trellis_outbox ORDER BY created_at, id")
-        .fetch_all(&db.pool)
-        .await
-        .unwrap();
+    assert!(
+        stored
+            .iter()
+            .zip(&records)
+            .all(|(s, r)| s.id == r.id && s.payload == r.payload)
+    );
+    let ids: Vec<String> =
+        sqlx::query_scalar("SELECT id FROM trellis_outbox ORDER BY created_at, id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
     let expected: Vec<String> = records.iter().map(|r| r.id.clone()).collect();
-    assert_eq!(ids, expected, "ULIDs keep enqueue order within a millisecond");
-    let headers: serde_json::Value = sqlx::query_scalar("SELECT headers FROM trellis_outbox WHERE id = $1")
-        .bind(&records[500].id)
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+    assert_eq!(
+        ids, expected,
+        "ULIDs keep enqueue order within a millisecond"
+    );
+    let headers: serde_json::Value =
+        sqlx::query_scalar("SELECT headers FROM trellis_outbox WHERE id = $1")
+            .bind(&records[500].id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
     assert_eq!(headers["Nats-Msg-Id"], records[500].id);
     db.close().await;
 }
@@ -217,16 +269,18 @@ async fn sqlite_enqueue_all_writes_2500_records_across_batches() {
     let stored = tx.enqueue_all(records.iter()).await.unwrap();
     tx.commit().await.unwrap();
     assert_eq!(stored.len(), 2500);
-    let ids: Vec<String> = sqlx::query_scalar("SELECT id FROM trellis_outbox ORDER BY created_at, id")
-        .fetch_all(&db.pool)
-        .await
-        .unwrap();
+    let ids: Vec<String> =
+        sqlx::query_scalar("SELECT id FROM trellis_outbox ORDER BY created_at, id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
     let expected: Vec<String> = records.iter().map(|r| r.id.clone()).collect();
     assert_eq!(ids, expected);
 }
 
-async fn check_enqueue_all_with_duplicates<DB: trellis_outbox::OutboxDatabase>(pool: &sqlx::Pool<DB>)
-where
+async fn check_enqueue_all_with_duplicates<DB: trellis_outbox::OutboxDatabase>(
+    pool: &sqlx::Pool<DB>,
+) where
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
 {
     let existing = record(0);
@@ -276,8 +330,17 @@ async fn pg_custom_tables() {
     let mut tx = db.pool.begin().await.unwrap();
     let rec = record(1);
     outbox.enqueue(&mut tx, &rec).await.unwrap();
-    outbox.enqueue_all(&mut tx, [record(2), record(3)]).await.unwrap();
-    assert!(outbox.record_inbox(&mut tx, "m-1").await.unwrap().is_accepted());
+    outbox
+        .enqueue_all(&mut tx, [record(2), record(3)])
+        .await
+        .unwrap();
+    assert!(
+        outbox
+            .record_inbox(&mut tx, "m-1")
+            .await
+            .unwrap()
+            .is_accepted()
+    );
     tx.commit().await.unwrap();
     let n: i64 = sqlx::query_scalar("SELECT count(*) FROM billing_outbox")
         .fetch_one(&db.pool)
@@ -290,10 +353,11 @@ async fn pg_custom_tables() {
         .unwrap();
     assert_eq!(n, 1);
     // The default tables were never created, let alone written.
-    let default_exists: bool = sqlx::query_scalar("SELECT to_regclass('trellis_outbox') IS NOT NULL")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+    let default_exists: bool =
+        sqlx::query_scalar("SELECT to_regclass('trellis_outbox') IS NOT NULL")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
     assert!(!default_exists);
     db.close().await;
 }
@@ -343,7 +407,9 @@ fn invalid_records() -> Vec<(PreparedOutboxRecord, &'static str)> {
     out
 }
 
-async fn check_invalid_input_keeps_tx_usable<DB: trellis_outbox::OutboxDatabase>(pool: &sqlx::Pool<DB>) {
+async fn check_invalid_input_keeps_tx_usable<DB: trellis_outbox::OutboxDatabase>(
+    pool: &sqlx::Pool<DB>,
+) {
     let mut tx = pool.begin().await.unwrap();
     for (bad, field) in invalid_records() {
         let err = tx.enqueue(&bad).await.unwrap_err();
@@ -392,7 +458,10 @@ async fn pg_enqueue_without_migration_names_the_operation() {
     let rec = record(1);
     let mut tx = db.pool.begin().await.unwrap();
     let err = tx.enqueue(&rec).await.unwrap_err();
-    assert!(matches!(&err, Error::Enqueue { id, .. } if *id == rec.id), "{err:?}");
+    assert!(
+        matches!(&err, Error::Enqueue { id, .. } if *id == rec.id),
+        "{err:?}"
+    );
     assert!(err.to_string().contains("enqueueing outbox record"));
     assert!(std::error::Error::source(&err).is_some());
     drop(tx);

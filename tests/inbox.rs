@@ -1,23 +1,41 @@
 //! Inbox de-duplication on real Postgres and SQLite.
 
 use futures::future::join_all;
-use trellis_outbox::{migrate, InboxReceipt, OutboxDatabase, OutboxTransactionExt};
+use trellis_outbox::{InboxReceipt, OutboxDatabase, OutboxTransactionExt, migrate};
 use trellis_outbox_tests::{TestPg, TestSqlite};
 
 async fn accepted_then_duplicate<DB: OutboxDatabase>(pool: &sqlx::Pool<DB>) {
     let mut tx = pool.begin().await.unwrap();
-    assert_eq!(tx.record_inbox("evt_1").await.unwrap(), InboxReceipt::Accepted);
-    assert_eq!(tx.record_inbox("evt_1").await.unwrap(), InboxReceipt::Duplicate);
-    assert_eq!(tx.record_inbox("evt_2").await.unwrap(), InboxReceipt::Accepted);
+    assert_eq!(
+        tx.record_inbox("evt_1").await.unwrap(),
+        InboxReceipt::Accepted
+    );
+    assert_eq!(
+        tx.record_inbox("evt_1").await.unwrap(),
+        InboxReceipt::Duplicate
+    );
+    assert_eq!(
+        tx.record_inbox("evt_2").await.unwrap(),
+        InboxReceipt::Accepted
+    );
     tx.commit().await.unwrap();
 
     let mut tx = pool.begin().await.unwrap();
-    assert_eq!(tx.record_inbox("evt_1").await.unwrap(), InboxReceipt::Duplicate);
+    assert_eq!(
+        tx.record_inbox("evt_1").await.unwrap(),
+        InboxReceipt::Duplicate
+    );
     // A receipt that is rolled back is forgotten: the message will be handled again.
-    assert_eq!(tx.record_inbox("evt_3").await.unwrap(), InboxReceipt::Accepted);
+    assert_eq!(
+        tx.record_inbox("evt_3").await.unwrap(),
+        InboxReceipt::Accepted
+    );
     tx.rollback().await.unwrap();
     let mut tx = pool.begin().await.unwrap();
-    assert_eq!(tx.record_inbox("evt_3").await.unwrap(), InboxReceipt::Accepted);
+    assert_eq!(
+        tx.record_inbox("evt_3").await.unwrap(),
+        InboxReceipt::Accepted
+    );
     tx.commit().await.unwrap();
 }
 
@@ -35,7 +53,11 @@ async fn concurrent_receipts<DB: OutboxDatabase>(pool: &sqlx::Pool<DB>) -> Vec<I
             receipt
         })
     });
-    join_all(tasks).await.into_iter().map(Result::unwrap).collect()
+    join_all(tasks)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect()
 }
 
 #[tokio::test]
@@ -58,7 +80,11 @@ async fn pg_concurrent_duplicates_accept_exactly_one() {
     let db = TestPg::new().await;
     migrate(&db.pool).await.unwrap();
     let receipts = concurrent_receipts(&db.pool).await;
-    assert_eq!(receipts.iter().filter(|r| r.is_accepted()).count(), 1, "{receipts:?}");
+    assert_eq!(
+        receipts.iter().filter(|r| r.is_accepted()).count(),
+        1,
+        "{receipts:?}"
+    );
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_inbox")
         .fetch_one(&db.pool)
         .await
@@ -72,5 +98,9 @@ async fn sqlite_concurrent_duplicates_accept_exactly_one() {
     let db = TestSqlite::new().await;
     migrate(&db.pool).await.unwrap();
     let receipts = concurrent_receipts(&db.pool).await;
-    assert_eq!(receipts.iter().filter(|r| r.is_accepted()).count(), 1, "{receipts:?}");
+    assert_eq!(
+        receipts.iter().filter(|r| r.is_accepted()).count(),
+        1,
+        "{receipts:?}"
+    );
 }

@@ -2,8 +2,7 @@
 
 use futures::future::join_all;
 use trellis_outbox::{
-    migrate, migrate_with, migration_script, migrations, Dialect, Error, OutboxTables,
-    TableKind,
+    Dialect, Error, OutboxTables, TableKind, migrate, migrate_with, migration_script, migrations,
 };
 use trellis_outbox_tests::{TestPg, TestSqlite};
 
@@ -16,10 +15,30 @@ fn service_tables() -> OutboxTables {
 #[test]
 fn ids_versions_and_checksums_match_upstream() {
     let cases = [
-        (Dialect::Sqlite, OutboxTables::default(), "trellis_sql_outbox_inbox_sqlite_v1", "fnv1a64:8178e5295d0acfeb"),
-        (Dialect::Postgres, OutboxTables::default(), "trellis_sql_outbox_inbox_postgres_v1", "fnv1a64:475148d1080cf8cf"),
-        (Dialect::Sqlite, service_tables(), "trellis_sql_outbox_inbox_sqlite_v1", "fnv1a64:d10ccc8ff04a835d"),
-        (Dialect::Postgres, service_tables(), "trellis_sql_outbox_inbox_postgres_v1", "fnv1a64:cb095f4939d76a4d"),
+        (
+            Dialect::Sqlite,
+            OutboxTables::default(),
+            "trellis_sql_outbox_inbox_sqlite_v1",
+            "fnv1a64:8178e5295d0acfeb",
+        ),
+        (
+            Dialect::Postgres,
+            OutboxTables::default(),
+            "trellis_sql_outbox_inbox_postgres_v1",
+            "fnv1a64:475148d1080cf8cf",
+        ),
+        (
+            Dialect::Sqlite,
+            service_tables(),
+            "trellis_sql_outbox_inbox_sqlite_v1",
+            "fnv1a64:d10ccc8ff04a835d",
+        ),
+        (
+            Dialect::Postgres,
+            service_tables(),
+            "trellis_sql_outbox_inbox_postgres_v1",
+            "fnv1a64:cb095f4939d76a4d",
+        ),
     ];
     for (dialect, tables, id, checksum) in cases {
         let all = migrations(dialect, &tables);
@@ -58,7 +77,9 @@ fn v1_sql_is_upstreams_text() {
 // §G 18.
 #[test]
 fn migrations_include_table_names_and_key_columns() {
-    let sqlite = migrations(Dialect::Sqlite, &service_tables())[0].up.join("\n");
+    let sqlite = migrations(Dialect::Sqlite, &service_tables())[0]
+        .up
+        .join("\n");
     for needle in [
         "CREATE TABLE IF NOT EXISTS service_outbox",
         "id TEXT PRIMARY KEY",
@@ -71,7 +92,9 @@ fn migrations_include_table_names_and_key_columns() {
     ] {
         assert!(sqlite.contains(needle), "sqlite up lacks {needle}");
     }
-    let pg = migrations(Dialect::Postgres, &OutboxTables::default())[0].up.join("\n");
+    let pg = migrations(Dialect::Postgres, &OutboxTables::default())[0]
+        .up
+        .join("\n");
     for needle in [
         "id text PRIMARY KEY",
         "headers jsonb NOT NULL",
@@ -86,7 +109,15 @@ fn migrations_include_table_names_and_key_columns() {
 // `OutboxTables`, which cannot be built from it.
 #[test]
 fn unsafe_table_names_are_rejected() {
-    for bad in ["tenant.trellis_outbox", "tenant.x", "a b", "x;drop table y", "", "1abc", "abc\n"] {
+    for bad in [
+        "tenant.trellis_outbox",
+        "tenant.x",
+        "a b",
+        "x;drop table y",
+        "",
+        "1abc",
+        "abc\n",
+    ] {
         let err = OutboxTables::new(bad, "trellis_inbox").unwrap_err();
         assert!(
             matches!(&err, Error::InvalidTableName { kind: TableKind::Outbox, name } if name == bad),
@@ -94,7 +125,9 @@ fn unsafe_table_names_are_rejected() {
         );
         assert_eq!(
             err.to_string(),
-            format!("Invalid SQL outbox table name \"{bad}\". Use a simple identifier matching ^[A-Za-z_][A-Za-z0-9_]*$.")
+            format!(
+                "Invalid SQL outbox table name \"{bad}\". Use a simple identifier matching ^[A-Za-z_][A-Za-z0-9_]*$."
+            )
         );
     }
     let err = OutboxTables::new("trellis_outbox", "trellis-inbox").unwrap_err();
@@ -107,7 +140,9 @@ fn unsafe_table_names_are_rejected() {
 #[test]
 fn script_is_pasteable() {
     let sql = migration_script(Dialect::Sqlite, &OutboxTables::default());
-    assert!(sql.starts_with("-- trellis_sql_outbox_inbox_sqlite_v1 (up), version 1, fnv1a64:8178e5295d0acfeb\n"));
+    assert!(sql.starts_with(
+        "-- trellis_sql_outbox_inbox_sqlite_v1 (up), version 1, fnv1a64:8178e5295d0acfeb\n"
+    ));
     assert_eq!(sql.matches(";\n").count(), 3);
 }
 
@@ -134,12 +169,20 @@ async fn pg_migrate_twice_is_a_no_op() {
     let first = migrate(&db.pool).await.unwrap();
     assert_eq!(first.applied, ["trellis_sql_outbox_inbox_postgres_v1"]);
     assert!(first.already_applied.is_empty());
-    for table in ["trellis_outbox", "trellis_inbox", "trellis_outbox_due_idx", "trellis_outbox_migrations"] {
+    for table in [
+        "trellis_outbox",
+        "trellis_inbox",
+        "trellis_outbox_due_idx",
+        "trellis_outbox_migrations",
+    ] {
         assert!(pg_table_exists(&db.pool, table).await, "{table} missing");
     }
     let second = migrate(&db.pool).await.unwrap();
     assert!(second.applied.is_empty());
-    assert_eq!(second.already_applied, ["trellis_sql_outbox_inbox_postgres_v1"]);
+    assert_eq!(
+        second.already_applied,
+        ["trellis_sql_outbox_inbox_postgres_v1"]
+    );
     let (id, checksum): (String, String) = sqlx::query_as(
         "SELECT id, checksum FROM trellis_outbox_migrations WHERE outbox_table = 'trellis_outbox' AND version = 1",
     )
@@ -156,12 +199,23 @@ async fn sqlite_migrate_twice_is_a_no_op() {
     let db = TestSqlite::new().await;
     let first = migrate(&db.pool).await.unwrap();
     assert_eq!(first.applied, ["trellis_sql_outbox_inbox_sqlite_v1"]);
-    for table in ["trellis_outbox", "trellis_inbox", "trellis_outbox_due_idx", "trellis_outbox_migrations"] {
-        assert!(sqlite_table_exists(&db.pool, table).await, "{table} missing");
+    for table in [
+        "trellis_outbox",
+        "trellis_inbox",
+        "trellis_outbox_due_idx",
+        "trellis_outbox_migrations",
+    ] {
+        assert!(
+            sqlite_table_exists(&db.pool, table).await,
+            "{table} missing"
+        );
     }
     let second = migrate(&db.pool).await.unwrap();
     assert!(second.applied.is_empty());
-    assert_eq!(second.already_applied, ["trellis_sql_outbox_inbox_sqlite_v1"]);
+    assert_eq!(
+        second.already_applied,
+        ["trellis_sql_outbox_inbox_sqlite_v1"]
+    );
 }
 
 #[tokio::test]
@@ -174,7 +228,12 @@ async fn pg_tampered_checksum_is_refused() {
         .unwrap();
     let err = migrate(&db.pool).await.unwrap_err();
     match &err {
-        Error::ChecksumMismatch { id, version, recorded, expected } => {
+        Error::ChecksumMismatch {
+            id,
+            version,
+            recorded,
+            expected,
+        } => {
             assert_eq!(id, "trellis_sql_outbox_inbox_postgres_v1");
             assert_eq!(*version, 1);
             assert_eq!(recorded, "fnv1a64:0000000000000000");
@@ -182,7 +241,10 @@ async fn pg_tampered_checksum_is_refused() {
         }
         other => panic!("expected ChecksumMismatch, got {other:?}"),
     }
-    assert!(err.to_string().contains("trellis_sql_outbox_inbox_postgres_v1"));
+    assert!(
+        err.to_string()
+            .contains("trellis_sql_outbox_inbox_postgres_v1")
+    );
     assert!(!err.is_retryable());
     db.close().await;
 }
@@ -206,10 +268,7 @@ async fn sqlite_tampered_checksum_is_refused() {
 async fn pg_concurrent_migrations_apply_once() {
     let db = TestPg::new().await;
     let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
-    let applied: usize = reports
-        .into_iter()
-        .map(|r| r.unwrap().applied.len())
-        .sum();
+    let applied: usize = reports.into_iter().map(|r| r.unwrap().applied.len()).sum();
     assert_eq!(applied, 1);
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox_migrations")
         .fetch_one(&db.pool)
@@ -223,10 +282,7 @@ async fn pg_concurrent_migrations_apply_once() {
 async fn sqlite_concurrent_migrations_apply_once() {
     let db = TestSqlite::new().await;
     let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
-    let applied: usize = reports
-        .into_iter()
-        .map(|r| r.unwrap().applied.len())
-        .sum();
+    let applied: usize = reports.into_iter().map(|r| r.unwrap().applied.len()).sum();
     assert_eq!(applied, 1);
 }
 
@@ -250,7 +306,10 @@ async fn pg_custom_tables_are_separate_and_default_ones_untouched() {
 async fn sqlite_adopts_a_table_created_by_trellis_ts() {
     let db = TestSqlite::new().await;
     for statement in &migrations(Dialect::Sqlite, &OutboxTables::default())[0].up {
-        sqlx::raw_sql(sqlx::AssertSqlSafe(statement.clone())).execute(&db.pool).await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(statement.clone()))
+            .execute(&db.pool)
+            .await
+            .unwrap();
     }
     sqlx::query("INSERT INTO trellis_outbox VALUES ('ts-1', 'event.publish', 'A.B', 'events.v1.A.B', '{}', '{}', 'pending', 0, '2026-05-25T00:00:00.000Z', '2026-05-25T00:00:00.000Z', NULL, NULL, NULL)")
         .execute(&db.pool)

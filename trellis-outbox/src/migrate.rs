@@ -230,43 +230,6 @@ pub async fn migrate_with<DB: crate::OutboxDatabase>(
     DB::migrate(pool, tables, migrations(DB::DIALECT, tables)).await
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fnv_vectors_hash_code_points() {
-        for (input, expected) in [
-            ("", "cbf29ce484222325"),
-            ("a", "af63dc4c8601ec8c"),
-            ("foobar", "85944171f73967e8"),
-            ("-- up", "a8cce2fb53a94818"),
-            ("\u{e9}", "af64644c8602d3a4"),
-            ("e\u{301}", "088f4b07b53b19f3"),
-            ("\u{1F600}", "b115bd4c88e32ddf"),
-        ] {
-            assert_eq!(fnv1a64_hex(input), expected, "{input:?}");
-        }
-    }
-
-    #[test]
-    fn canonical_text_matches_upstream_length() {
-        let tables = OutboxTables::default();
-        for (dialect, len) in [(Dialect::Sqlite, 645), (Dialect::Postgres, 675)] {
-            let m = v1(dialect, &tables);
-            let canonical = ["-- up".to_owned()]
-                .into_iter()
-                .chain(m.up.iter().cloned())
-                .chain(["-- down".to_owned()])
-                .chain(m.down.iter().cloned())
-                .collect::<Vec<_>>()
-                .join("\n");
-            assert_eq!(canonical.chars().count(), len, "{dialect}");
-            assert_eq!(m.checksum, format!("fnv1a64:{}", fnv1a64_hex(&canonical)));
-        }
-    }
-}
-
 /// Checks what the database recorded against `migrations` and returns the ones still to apply.
 pub(crate) fn plan(
     migrations: Vec<SqlOutboxMigration>,
@@ -318,5 +281,42 @@ pub(crate) fn migrate_error(step: &str) -> impl Fn(sqlx::Error) -> crate::Error 
     move |source| crate::Error::Migrate {
         step: step.to_owned(),
         source,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fnv_vectors_hash_code_points() {
+        for (input, expected) in [
+            ("", "cbf29ce484222325"),
+            ("a", "af63dc4c8601ec8c"),
+            ("foobar", "85944171f73967e8"),
+            ("-- up", "a8cce2fb53a94818"),
+            ("\u{e9}", "af64644c8602d3a4"),
+            ("e\u{301}", "088f4b07b53b19f3"),
+            ("\u{1F600}", "b115bd4c88e32ddf"),
+        ] {
+            assert_eq!(fnv1a64_hex(input), expected, "{input:?}");
+        }
+    }
+
+    #[test]
+    fn canonical_text_matches_upstream_length() {
+        let tables = OutboxTables::default();
+        for (dialect, len) in [(Dialect::Sqlite, 645), (Dialect::Postgres, 675)] {
+            let m = v1(dialect, &tables);
+            let canonical = ["-- up".to_owned()]
+                .into_iter()
+                .chain(m.up.iter().cloned())
+                .chain(["-- down".to_owned()])
+                .chain(m.down.iter().cloned())
+                .collect::<Vec<_>>()
+                .join("\n");
+            assert_eq!(canonical.chars().count(), len, "{dialect}");
+            assert_eq!(m.checksum, format!("fnv1a64:{}", fnv1a64_hex(&canonical)));
+        }
     }
 }

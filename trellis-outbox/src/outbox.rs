@@ -6,6 +6,7 @@ use std::sync::{Arc, LazyLock};
 use sqlx::Transaction;
 
 use crate::error::{Error, Result};
+use crate::job::{JobSubmission, OutboxJob};
 use crate::record::{InboxReceipt, OutboxMessage, PreparedOutboxRecord, ToOutboxRecord};
 use crate::sql::SqlStatements;
 use crate::tables::{Dialect, OutboxTables};
@@ -150,6 +151,28 @@ impl Outbox {
         DB::insert_one(&mut **tx, self.sql(DB::DIALECT), record).await
     }
 
+    /// Writes a job request (made with `#[outbox_job]`) inside `tx` and returns what the
+    /// caller needs to track it: the submission id (the record id), the job id, the queue and
+    /// the mode. See [`OutboxJob::prepare_job`] for the record written (spec §D.2).
+    ///
+    /// # Errors
+    ///
+    /// As [`Outbox::enqueue`].
+    pub async fn enqueue_job<DB, J>(
+        &self,
+        tx: &mut Transaction<'_, DB>,
+        job: &J,
+    ) -> Result<JobSubmission>
+    where
+        DB: OutboxDatabase,
+        J: OutboxJob + ?Sized,
+    {
+        let (record, submission) = job.prepare_job()?;
+        record.validate()?;
+        DB::insert_one(&mut **tx, self.sql(DB::DIALECT), record).await?;
+        Ok(submission)
+    }
+
     /// Writes many records inside `tx` in as few statements as the database's bind-parameter
     /// limits allow, and returns the stored rows in input order.
     ///
@@ -278,6 +301,14 @@ pub trait OutboxTransactionExt: sealed_ext::Sealed {
         &'a mut self,
         message_id: &'a str,
     ) -> impl Future<Output = Result<InboxReceipt>> + Send + 'a;
+
+    /// See [`Outbox::enqueue_job`].
+    fn enqueue_job<'a, J>(
+        &'a mut self,
+        job: &'a J,
+    ) -> impl Future<Output = Result<JobSubmission>> + Send + 'a
+    where
+        J: OutboxJob + ?Sized + Sync;
 }
 
 mod sealed_ext {
@@ -312,5 +343,15 @@ impl<DB: OutboxDatabase> OutboxTransactionExt for Transaction<'_, DB> {
         message_id: &'a str,
     ) -> impl Future<Output = Result<InboxReceipt>> + Send + 'a {
         DEFAULT_OUTBOX.record_inbox(self, message_id)
+    }
+
+    fn enqueue_job<'a, J>(
+        &'a mut self,
+        job: &'a J,
+    ) -> impl Future<Output = Result<JobSubmission>> + Send + 'a
+    where
+        J: OutboxJob + ?Sized + Sync,
+    {
+        DEFAULT_OUTBOX.enqueue_job(self, job)
     }
 }

@@ -1,7 +1,6 @@
 //! PostgreSQL backend.
 
-use std::collections::{BTreeMap, HashSet};
-use std::future::Future;
+use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::{PgConnection, PgRow};
@@ -9,11 +8,11 @@ use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, Postgres};
 
 use crate::error::{Error, Result};
+use crate::migrate::{MigrationReport, SqlOutboxMigration, bookkeeping_ddl, migrate_error, plan};
 use crate::outbox::sealed::Backend;
 use crate::record::{InboxReceipt, OutboxMessage, PreparedOutboxRecord};
-use crate::row::{column, RawRow};
-use crate::sql::{SqlStatements, COLUMNS};
-use crate::migrate::{bookkeeping_ddl, migrate_error, plan, MigrationReport, SqlOutboxMigration};
+use crate::row::{RawRow, batch_result, column};
+use crate::sql::{COLUMNS, SqlStatements};
 use crate::tables::{Dialect, OutboxTables};
 use crate::time::now_millis;
 
@@ -23,235 +22,198 @@ const BATCH_ROWS: usize = 5_000;
 impl Backend for Postgres {
     const DIALECT: Dialect = Dialect::Postgres;
 
-    fn insert_one<'a>(
-        conn: &'a mut PgConnection,
-        sql: &'a SqlStatements,
+    async fn insert_one(
+        conn: &mut PgConnection,
+        sql: &SqlStatements,
         record: PreparedOutboxRecord,
-    ) -> impl Future<Output = Result<OutboxMessage>> + Send + 'a {
-        async move {
-            let now = now_millis();
-            let enqueue_error = |source| Error::Enqueue {
-                id: record.id.clone(),
-                source,
-            };
-            let inserted = sqlx::query(AssertSqlSafe(sql.enqueue.clone()))
-                .bind(&record.id)
-                .bind(record.kind.as_str())
-                .bind(&record.name)
-                .bind(&record.subject)
-                .bind(&record.payload)
-                .bind(Json(&record.headers))
-                .bind("pending")
-                .bind(0_i32)
-                .bind(now)
-                .bind(now)
-                .bind(None::<DateTime<Utc>>)
-                .bind(None::<String>)
-                .bind(None::<Json<serde_json::Value>>)
-                .execute(&mut *conn)
-                .await
-                .map_err(enqueue_error)?
-                .rows_affected();
-            if inserted == 1 {
-                return Ok(OutboxMessage::pending(record, now));
-            }
-            let row = sqlx::query(AssertSqlSafe(sql.select_by_id.clone()))
-                .bind(&record.id)
-                .fetch_one(&mut *conn)
-                .await
-                .map_err(enqueue_error)?;
-            decode(&row)
+    ) -> Result<OutboxMessage> {
+        let now = now_millis();
+        let enqueue_error = |source| Error::Enqueue {
+            id: record.id.clone(),
+            source,
+        };
+        let inserted = sqlx::query(AssertSqlSafe(sql.enqueue.clone()))
+            .bind(&record.id)
+            .bind(record.kind.as_str())
+            .bind(&record.name)
+            .bind(&record.subject)
+            .bind(&record.payload)
+            .bind(Json(&record.headers))
+            .bind("pending")
+            .bind(0_i32)
+            .bind(now)
+            .bind(now)
+            .bind(None::<DateTime<Utc>>)
+            .bind(None::<String>)
+            .bind(None::<Json<serde_json::Value>>)
+            .execute(&mut *conn)
+            .await
+            .map_err(enqueue_error)?
+            .rows_affected();
+        if inserted == 1 {
+            return Ok(OutboxMessage::pending(record, now));
         }
+        let row = sqlx::query(AssertSqlSafe(sql.select_by_id.clone()))
+            .bind(&record.id)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(enqueue_error)?;
+        decode(&row)
     }
 
-    fn insert_many<'a>(
-        conn: &'a mut PgConnection,
-        sql: &'a SqlStatements,
+    async fn insert_many(
+        conn: &mut PgConnection,
+        sql: &SqlStatements,
         records: Vec<PreparedOutboxRecord>,
-    ) -> impl Future<Output = Result<Vec<OutboxMessage>>> + Send + 'a {
-        async move {
-            let now = now_millis();
-            let o = &*sql.outbox_table;
-            let insert = format!(
-                "INSERT INTO {o} ({COLUMNS}) \
-                 SELECT t.id, t.kind, t.name, t.subject, t.payload, t.headers::jsonb, 'pending', 0, $7, $7, NULL, NULL, NULL \
-                 FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[]) \
-                 AS t(id, kind, name, subject, payload, headers) \
-                 ON CONFLICT (id) DO NOTHING RETURNING id"
-            );
-            let mut inserted = HashSet::with_capacity(records.len());
-            for chunk in records.chunks(BATCH_ROWS) {
-                let mut columns: [Vec<&str>; 5] = Default::default();
-                let mut headers = Vec::with_capacity(chunk.len());
-                for r in chunk {
-                    columns[0].push(&r.id);
-                    columns[1].push(r.kind.as_str());
-                    columns[2].push(&r.name);
-                    columns[3].push(&r.subject);
-                    columns[4].push(&r.payload);
-                    headers.push(serde_json::to_string(&r.headers).map_err(|source| {
-                        Error::Serialize {
-                            what: "outbox headers",
-                            source,
-                        }
-                    })?);
-                }
-                let [ids, kinds, names, subjects, payloads] = columns;
-                let ids: Vec<String> = sqlx::query_scalar(AssertSqlSafe(insert.as_str()))
-                    .bind(ids)
-                    .bind(kinds)
-                    .bind(names)
-                    .bind(subjects)
-                    .bind(payloads)
-                    .bind(headers)
-                    .bind(now)
-                    .fetch_all(&mut *conn)
-                    .await
-                    .map_err(|source| Error::Enqueue {
-                        id: chunk[0].id.clone(),
+    ) -> Result<Vec<OutboxMessage>> {
+        let now = now_millis();
+        let o = &*sql.outbox_table;
+        let insert = format!(
+            "INSERT INTO {o} ({COLUMNS}) \
+             SELECT t.id, t.kind, t.name, t.subject, t.payload, t.headers::jsonb, 'pending', 0, $7, $7, NULL, NULL, NULL \
+             FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[]) \
+             AS t(id, kind, name, subject, payload, headers) \
+             ON CONFLICT (id) DO NOTHING"
+        );
+        let mut inserted = 0;
+        for chunk in records.chunks(BATCH_ROWS) {
+            let mut columns: [Vec<&str>; 5] = Default::default();
+            let mut headers = Vec::with_capacity(chunk.len());
+            for r in chunk {
+                columns[0].push(&r.id);
+                columns[1].push(r.kind.as_str());
+                columns[2].push(&r.name);
+                columns[3].push(&r.subject);
+                columns[4].push(&r.payload);
+                headers.push(serde_json::to_string(&r.headers).map_err(|source| {
+                    Error::Serialize {
+                        what: "outbox headers",
                         source,
-                    })?;
-                inserted.extend(ids);
+                    }
+                })?);
             }
-            finish_batch(conn, sql, records, inserted, now).await
-        }
-    }
-
-    fn record_inbox<'a>(
-        conn: &'a mut PgConnection,
-        sql: &'a SqlStatements,
-        message_id: &'a str,
-    ) -> impl Future<Output = Result<InboxReceipt>> + Send + 'a {
-        async move {
-            let affected = sqlx::query(AssertSqlSafe(sql.inbox_insert.clone()))
-                .bind(message_id)
-                .bind(now_millis())
+            let [ids, kinds, names, subjects, payloads] = columns;
+            inserted += sqlx::query(AssertSqlSafe(insert.as_str()))
+                .bind(ids)
+                .bind(kinds)
+                .bind(names)
+                .bind(subjects)
+                .bind(payloads)
+                .bind(headers)
+                .bind(now)
                 .execute(&mut *conn)
                 .await
-                .map_err(|source| Error::RecordInbox {
-                    message_id: message_id.to_owned(),
+                .map_err(|source| Error::Enqueue {
+                    id: chunk[0].id.clone(),
                     source,
                 })?
                 .rows_affected();
-            Ok(if affected == 1 {
-                InboxReceipt::Accepted
-            } else {
-                InboxReceipt::Duplicate
-            })
         }
+        batch_result(records, inserted, now, |ids| read_stored(conn, sql, ids)).await
     }
 
-    fn migrate<'a>(
-        pool: &'a sqlx::PgPool,
-        tables: &'a OutboxTables,
+    async fn record_inbox(
+        conn: &mut PgConnection,
+        sql: &SqlStatements,
+        message_id: &str,
+    ) -> Result<InboxReceipt> {
+        let affected = sqlx::query(AssertSqlSafe(sql.inbox_insert.clone()))
+            .bind(message_id)
+            .bind(now_millis())
+            .execute(&mut *conn)
+            .await
+            .map_err(|source| Error::RecordInbox {
+                message_id: message_id.to_owned(),
+                source,
+            })?
+            .rows_affected();
+        Ok(if affected == 1 {
+            InboxReceipt::Accepted
+        } else {
+            InboxReceipt::Duplicate
+        })
+    }
+
+    async fn migrate(
+        pool: &sqlx::PgPool,
+        tables: &OutboxTables,
         migrations: Vec<SqlOutboxMigration>,
-    ) -> impl Future<Output = Result<MigrationReport>> + Send + 'a {
-        async move {
-            let mut tx = pool.begin().await.map_err(migrate_error("begin"))?;
-            // Serialises concurrent migrate calls; released at commit or rollback.
-            sqlx::query("SELECT pg_advisory_xact_lock($1)")
-                .bind(MIGRATE_LOCK_KEY)
-                .execute(&mut *tx)
-                .await
-                .map_err(migrate_error("lock"))?;
-            sqlx::raw_sql(bookkeeping_ddl(Dialect::Postgres))
-                .execute(&mut *tx)
-                .await
-                .map_err(migrate_error("bookkeeping table"))?;
-            let recorded: Vec<(i32, String, String)> = sqlx::query_as(
-                "SELECT version, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = $1",
+    ) -> Result<MigrationReport> {
+        let mut tx = pool.begin().await.map_err(migrate_error("begin"))?;
+        // Serialises concurrent migrate calls; released at commit or rollback.
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(MIGRATE_LOCK_KEY)
+            .execute(&mut *tx)
+            .await
+            .map_err(migrate_error("lock"))?;
+        sqlx::raw_sql(bookkeeping_ddl(Dialect::Postgres))
+            .execute(&mut *tx)
+            .await
+            .map_err(migrate_error("bookkeeping table"))?;
+        let recorded: Vec<(i32, String, String)> = sqlx::query_as(
+            "SELECT version, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = $1",
+        )
+        .bind(tables.outbox())
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(migrate_error("read applied migrations"))?;
+        let recorded = recorded
+            .into_iter()
+            .map(|(v, id, c)| (i64::from(v), id, c))
+            .collect();
+        let mut report = MigrationReport::default();
+        for m in plan(migrations, recorded, &mut report)? {
+            for statement in &m.up {
+                sqlx::raw_sql(AssertSqlSafe(statement.as_str()))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(migrate_error(&m.id))?;
+            }
+            sqlx::query(
+                "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum) VALUES ($1, $2, $3, $4)",
             )
             .bind(tables.outbox())
-            .fetch_all(&mut *tx)
+            .bind(i32::try_from(m.version).unwrap_or(i32::MAX))
+            .bind(&m.id)
+            .bind(&m.checksum)
+            .execute(&mut *tx)
             .await
-            .map_err(migrate_error("read applied migrations"))?;
-            let recorded = recorded
-                .into_iter()
-                .map(|(v, id, c)| (i64::from(v), id, c))
-                .collect();
-            let mut report = MigrationReport::default();
-            for m in plan(migrations, recorded, &mut report)? {
-                for statement in &m.up {
-                    sqlx::raw_sql(AssertSqlSafe(statement.as_str()))
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(migrate_error(&m.id))?;
-                }
-                sqlx::query(
-                    "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum) VALUES ($1, $2, $3, $4)",
-                )
-                .bind(tables.outbox())
-                .bind(i32::try_from(m.version).unwrap_or(i32::MAX))
-                .bind(&m.id)
-                .bind(&m.checksum)
-                .execute(&mut *tx)
-                .await
-                .map_err(migrate_error(&m.id))?;
-                tracing::info!(migration = %m.id, "applied outbox migration");
-                report.applied.push(m.id);
-            }
-            tx.commit().await.map_err(migrate_error("commit"))?;
-            Ok(report)
+            .map_err(migrate_error(&m.id))?;
+            tracing::info!(migration = %m.id, "applied outbox migration");
+            report.applied.push(m.id);
         }
+        tx.commit().await.map_err(migrate_error("commit"))?;
+        Ok(report)
     }
 }
 
 /// Advisory lock key serialising `migrate` calls: the ASCII bytes of "trellism".
 const MIGRATE_LOCK_KEY: i64 = 0x7472_656c_6c69_736d;
 
-/// Builds the result of a batch insert: our rows where we inserted them, the stored rows
-/// where the id already existed (or repeated within the batch).
-async fn finish_batch(
+/// Reads the stored rows of `ids`.
+async fn read_stored(
     conn: &mut PgConnection,
     sql: &SqlStatements,
-    records: Vec<PreparedOutboxRecord>,
-    mut inserted: HashSet<String>,
-    now: DateTime<Utc>,
-) -> Result<Vec<OutboxMessage>> {
-    if inserted.len() == records.len() {
-        return Ok(records
-            .into_iter()
-            .map(|r| OutboxMessage::pending(r, now))
-            .collect());
-    }
-    // An id counts as inserted by its first occurrence only.
-    let ours: Vec<bool> = records.iter().map(|r| inserted.remove(&r.id)).collect();
-    let missing: Vec<&str> = records
-        .iter()
-        .zip(&ours)
-        .filter(|(_, ours)| !**ours)
-        .map(|(r, _)| r.id.as_str())
-        .collect();
+    ids: Vec<String>,
+) -> Result<BTreeMap<String, OutboxMessage>> {
+    let mut stored = BTreeMap::new();
     let select = format!(
         "SELECT {COLUMNS} FROM {} WHERE id = ANY($1)",
         sql.outbox_table
     );
     let rows = sqlx::query(AssertSqlSafe(select))
-        .bind(&missing)
+        .bind(&ids)
         .fetch_all(&mut *conn)
         .await
         .map_err(|source| Error::Enqueue {
-            id: missing.first().map(|s| s.to_string()).unwrap_or_default(),
+            id: ids.first().cloned().unwrap_or_default(),
             source,
         })?;
-    let mut stored: BTreeMap<String, OutboxMessage> = BTreeMap::new();
     for row in &rows {
         let message = decode(row)?;
         stored.insert(message.id.clone(), message);
     }
-    records
-        .into_iter()
-        .zip(ours)
-        .map(|(r, ours)| {
-            if ours {
-                Ok(OutboxMessage::pending(r, now))
-            } else {
-                stored.get(&r.id).cloned().ok_or_else(|| {
-                    Error::decode(&r.id, "id", "row vanished between insert and read")
-                })
-            }
-        })
-        .collect()
+    Ok(stored)
 }
 
 pub(crate) fn decode(row: &PgRow) -> Result<OutboxMessage> {
@@ -276,4 +238,3 @@ pub(crate) fn decode(row: &PgRow) -> Result<OutboxMessage> {
     }
     .into_message()
 }
-

@@ -228,7 +228,11 @@ impl PreparedOutboxRecord {
             return Err(Error::invalid_record(id, "id", "is empty"));
         }
         if id.chars().any(char::is_control) {
-            return Err(Error::invalid_record(id, "id", "contains control characters"));
+            return Err(Error::invalid_record(
+                id,
+                "id",
+                "contains control characters",
+            ));
         }
         if self.name.is_empty() {
             return Err(Error::invalid_record(id, "name", "is empty"));
@@ -443,10 +447,7 @@ mod tests {
             OutboxRecordKind::JobSubmit,
         ] {
             assert_eq!(kind.as_str().parse::<OutboxRecordKind>().unwrap(), kind);
-            assert_eq!(
-                serde_json::to_string(&kind).unwrap(),
-                format!("\"{kind}\"")
-            );
+            assert_eq!(serde_json::to_string(&kind).unwrap(), format!("\"{kind}\""));
         }
         for state in [
             OutboxMessageState::Pending,
@@ -468,13 +469,20 @@ mod tests {
 
     #[test]
     fn validation_names_the_field() {
-        let cases: Vec<(fn(&mut PreparedOutboxRecord), &str)> = vec![
+        type Mutation = fn(&mut PreparedOutboxRecord);
+        let cases: Vec<(Mutation, &str)> = vec![
             (|r| r.id.clear(), "`id` is empty"),
             (|r| r.id = "a\nb".into(), "`id` contains control"),
             (|r| r.name.clear(), "`name` is empty"),
             (|r| r.subject.clear(), "`subject` is empty"),
-            (|r| r.subject = "a b".into(), "`subject` contains whitespace"),
-            (|r| r.subject = "a..b".into(), "`subject` has an empty token"),
+            (
+                |r| r.subject = "a b".into(),
+                "`subject` contains whitespace",
+            ),
+            (
+                |r| r.subject = "a..b".into(),
+                "`subject` has an empty token",
+            ),
             (|r| r.subject = "a.>".into(), "wildcard token `>`"),
             (|r| r.payload = "{".into(), "`payload` is not valid JSON"),
             (|r| r.payload = "{} x".into(), "`payload` is not valid JSON"),

@@ -35,8 +35,13 @@ impl RawRow {
             .state
             .parse()
             .map_err(|e: Error| Error::decode(&id, "state", e))?;
-        let attempts = u32::try_from(self.attempts)
-            .map_err(|_| Error::decode(&id, "attempts", format!("{} is out of range", self.attempts)))?;
+        let attempts = u32::try_from(self.attempts).map_err(|_| {
+            Error::decode(
+                &id,
+                "attempts",
+                format!("{} is out of range", self.attempts),
+            )
+        })?;
         Ok(OutboxMessage {
             id,
             kind,
@@ -63,4 +68,36 @@ where
     &'static str: sqlx::ColumnIndex<R>,
 {
     row.try_get(name).map_err(|e| Error::decode(id, name, e))
+}
+
+/// The result of a batch insert that wrote `inserted` rows: the records themselves when every
+/// one was written (then no id repeated or pre-existed), otherwise the stored rows, read back
+/// by `read`, in input order.
+pub(crate) async fn batch_result<F, Fut>(
+    records: Vec<crate::record::PreparedOutboxRecord>,
+    inserted: u64,
+    now: DateTime<Utc>,
+    read: F,
+) -> Result<Vec<OutboxMessage>>
+where
+    F: FnOnce(Vec<String>) -> Fut,
+    Fut: std::future::Future<Output = Result<BTreeMap<String, OutboxMessage>>>,
+{
+    if inserted == records.len() as u64 {
+        return Ok(records
+            .into_iter()
+            .map(|r| OutboxMessage::pending(r, now))
+            .collect());
+    }
+    let ids: Vec<String> = records.iter().map(|r| r.id.clone()).collect();
+    let stored = read(ids).await?;
+    records
+        .iter()
+        .map(|r| {
+            stored
+                .get(&r.id)
+                .cloned()
+                .ok_or_else(|| Error::decode(&r.id, "id", "row vanished between insert and read"))
+        })
+        .collect()
 }

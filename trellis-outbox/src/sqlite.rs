@@ -1,19 +1,17 @@
 //! SQLite backend.
 
-use std::collections::{BTreeMap, HashSet};
-use std::fmt::Write as _;
-use std::future::Future;
+use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use sqlx::sqlite::{SqliteConnection, SqliteRow};
 use sqlx::{AssertSqlSafe, Sqlite};
 
 use crate::error::{Error, Result};
+use crate::migrate::{MigrationReport, SqlOutboxMigration, bookkeeping_ddl, migrate_error, plan};
 use crate::outbox::sealed::Backend;
 use crate::record::{InboxReceipt, OutboxMessage, PreparedOutboxRecord};
-use crate::row::{column, RawRow};
-use crate::sql::{SqlStatements, COLUMNS};
-use crate::migrate::{bookkeeping_ddl, migrate_error, plan, MigrationReport, SqlOutboxMigration};
+use crate::row::{RawRow, batch_result, column};
+use crate::sql::{COLUMNS, SqlStatements};
 use crate::tables::{Dialect, OutboxTables};
 use crate::time::{format_timestamp, now_millis, parse_timestamp};
 
@@ -33,204 +31,181 @@ fn headers_text(record: &PreparedOutboxRecord) -> Result<String> {
 impl Backend for Sqlite {
     const DIALECT: Dialect = Dialect::Sqlite;
 
-    fn insert_one<'a>(
-        conn: &'a mut SqliteConnection,
-        sql: &'a SqlStatements,
+    async fn insert_one(
+        conn: &mut SqliteConnection,
+        sql: &SqlStatements,
         record: PreparedOutboxRecord,
-    ) -> impl Future<Output = Result<OutboxMessage>> + Send + 'a {
-        async move {
-            let now = now_millis();
-            let stamp = format_timestamp(now);
-            let headers = headers_text(&record)?;
-            let enqueue_error = |source| Error::Enqueue {
-                id: record.id.clone(),
-                source,
-            };
-            let inserted = sqlx::query(AssertSqlSafe(sql.enqueue.clone()))
-                .bind(&record.id)
-                .bind(record.kind.as_str())
-                .bind(&record.name)
-                .bind(&record.subject)
-                .bind(&record.payload)
-                .bind(headers)
-                .bind("pending")
-                .bind(0_i32)
-                .bind(&stamp)
-                .bind(&stamp)
-                .bind(None::<String>)
-                .bind(None::<String>)
-                .bind(None::<String>)
-                .execute(&mut *conn)
-                .await
-                .map_err(enqueue_error)?
-                .rows_affected();
-            if inserted == 1 {
-                return Ok(OutboxMessage::pending(record, now));
-            }
-            let row = sqlx::query(AssertSqlSafe(sql.select_by_id.clone()))
-                .bind(&record.id)
-                .fetch_one(&mut *conn)
-                .await
-                .map_err(enqueue_error)?;
-            decode(&row)
+    ) -> Result<OutboxMessage> {
+        let now = now_millis();
+        let stamp = format_timestamp(now);
+        let headers = headers_text(&record)?;
+        let enqueue_error = |source| Error::Enqueue {
+            id: record.id.clone(),
+            source,
+        };
+        let inserted = sqlx::query(AssertSqlSafe(sql.enqueue.clone()))
+            .bind(&record.id)
+            .bind(record.kind.as_str())
+            .bind(&record.name)
+            .bind(&record.subject)
+            .bind(&record.payload)
+            .bind(headers)
+            .bind("pending")
+            .bind(0_i32)
+            .bind(&stamp)
+            .bind(&stamp)
+            .bind(None::<String>)
+            .bind(None::<String>)
+            .bind(None::<String>)
+            .execute(&mut *conn)
+            .await
+            .map_err(enqueue_error)?
+            .rows_affected();
+        if inserted == 1 {
+            return Ok(OutboxMessage::pending(record, now));
         }
+        let row = sqlx::query(AssertSqlSafe(sql.select_by_id.clone()))
+            .bind(&record.id)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(enqueue_error)?;
+        decode(&row)
     }
 
-    fn insert_many<'a>(
-        conn: &'a mut SqliteConnection,
-        sql: &'a SqlStatements,
+    async fn insert_many(
+        conn: &mut SqliteConnection,
+        sql: &SqlStatements,
         records: Vec<PreparedOutboxRecord>,
-    ) -> impl Future<Output = Result<Vec<OutboxMessage>>> + Send + 'a {
-        async move {
-            let now = now_millis();
-            let stamp = format_timestamp(now);
-            let mut inserted = HashSet::with_capacity(records.len());
-            for chunk in records.chunks(BATCH_ROWS) {
-                let mut insert = format!("INSERT INTO {} ({COLUMNS}) VALUES ", sql.outbox_table);
-                for i in 0..chunk.len() {
-                    if i > 0 {
-                        insert.push_str(", ");
-                    }
-                    insert.push_str("(?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, NULL, NULL, NULL)");
+    ) -> Result<Vec<OutboxMessage>> {
+        let now = now_millis();
+        let stamp = format_timestamp(now);
+        let mut inserted = 0;
+        for chunk in records.chunks(BATCH_ROWS) {
+            let mut insert = format!("INSERT INTO {} ({COLUMNS}) VALUES ", sql.outbox_table);
+            for i in 0..chunk.len() {
+                if i > 0 {
+                    insert.push_str(", ");
                 }
-                insert.push_str(" ON CONFLICT(id) DO NOTHING RETURNING id");
-                debug_assert!(chunk.len() * PARAMS_PER_ROW <= 32_766);
-                let mut query = sqlx::query_scalar(AssertSqlSafe(insert));
-                for r in chunk {
-                    query = query
-                        .bind(&r.id)
-                        .bind(r.kind.as_str())
-                        .bind(&r.name)
-                        .bind(&r.subject)
-                        .bind(&r.payload)
-                        .bind(headers_text(r)?)
-                        .bind(&stamp)
-                        .bind(&stamp);
-                }
-                let ids: Vec<String> =
-                    query
-                        .fetch_all(&mut *conn)
-                        .await
-                        .map_err(|source| Error::Enqueue {
-                            id: chunk[0].id.clone(),
-                            source,
-                        })?;
-                inserted.extend(ids);
+                insert.push_str("(?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, NULL, NULL, NULL)");
             }
-            finish_batch(conn, sql, records, inserted, now).await
-        }
-    }
-
-    fn record_inbox<'a>(
-        conn: &'a mut SqliteConnection,
-        sql: &'a SqlStatements,
-        message_id: &'a str,
-    ) -> impl Future<Output = Result<InboxReceipt>> + Send + 'a {
-        async move {
-            let affected = sqlx::query(AssertSqlSafe(sql.inbox_insert.clone()))
-                .bind(message_id)
-                .bind(format_timestamp(now_millis()))
+            insert.push_str(" ON CONFLICT(id) DO NOTHING");
+            debug_assert!(chunk.len() * PARAMS_PER_ROW <= 32_766);
+            let mut query = sqlx::query(AssertSqlSafe(insert));
+            for r in chunk {
+                query = query
+                    .bind(&r.id)
+                    .bind(r.kind.as_str())
+                    .bind(&r.name)
+                    .bind(&r.subject)
+                    .bind(&r.payload)
+                    .bind(headers_text(r)?)
+                    .bind(&stamp)
+                    .bind(&stamp);
+            }
+            inserted += query
                 .execute(&mut *conn)
                 .await
-                .map_err(|source| Error::RecordInbox {
-                    message_id: message_id.to_owned(),
+                .map_err(|source| Error::Enqueue {
+                    id: chunk[0].id.clone(),
                     source,
                 })?
                 .rows_affected();
-            Ok(if affected == 1 {
-                InboxReceipt::Accepted
-            } else {
-                InboxReceipt::Duplicate
-            })
         }
+        batch_result(records, inserted, now, |ids| read_stored(conn, sql, ids)).await
     }
 
-    fn migrate<'a>(
-        pool: &'a sqlx::SqlitePool,
-        tables: &'a OutboxTables,
+    async fn record_inbox(
+        conn: &mut SqliteConnection,
+        sql: &SqlStatements,
+        message_id: &str,
+    ) -> Result<InboxReceipt> {
+        let affected = sqlx::query(AssertSqlSafe(sql.inbox_insert.clone()))
+            .bind(message_id)
+            .bind(format_timestamp(now_millis()))
+            .execute(&mut *conn)
+            .await
+            .map_err(|source| Error::RecordInbox {
+                message_id: message_id.to_owned(),
+                source,
+            })?
+            .rows_affected();
+        Ok(if affected == 1 {
+            InboxReceipt::Accepted
+        } else {
+            InboxReceipt::Duplicate
+        })
+    }
+
+    async fn migrate(
+        pool: &sqlx::SqlitePool,
+        tables: &OutboxTables,
         migrations: Vec<SqlOutboxMigration>,
-    ) -> impl Future<Output = Result<MigrationReport>> + Send + 'a {
-        async move {
-            // BEGIN IMMEDIATE takes the write lock up front, serialising concurrent callers.
-            let mut tx = pool
-                .begin_with("BEGIN IMMEDIATE")
-                .await
-                .map_err(migrate_error("begin"))?;
-            sqlx::raw_sql(bookkeeping_ddl(Dialect::Sqlite))
-                .execute(&mut *tx)
-                .await
-                .map_err(migrate_error("bookkeeping table"))?;
-            let recorded: Vec<(i64, String, String)> = sqlx::query_as(
-                "SELECT version, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = ?",
+    ) -> Result<MigrationReport> {
+        // BEGIN IMMEDIATE takes the write lock up front, serialising concurrent callers.
+        let mut tx = pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(migrate_error("begin"))?;
+        sqlx::raw_sql(bookkeeping_ddl(Dialect::Sqlite))
+            .execute(&mut *tx)
+            .await
+            .map_err(migrate_error("bookkeeping table"))?;
+        let recorded: Vec<(i64, String, String)> = sqlx::query_as(
+            "SELECT version, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = ?",
+        )
+        .bind(tables.outbox())
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(migrate_error("read applied migrations"))?;
+        let mut report = MigrationReport::default();
+        for m in plan(migrations, recorded, &mut report)? {
+            for statement in &m.up {
+                sqlx::raw_sql(AssertSqlSafe(statement.as_str()))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(migrate_error(&m.id))?;
+            }
+            sqlx::query(
+                "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum, applied_at) VALUES (?, ?, ?, ?, ?)",
             )
             .bind(tables.outbox())
-            .fetch_all(&mut *tx)
+            .bind(i64::from(m.version))
+            .bind(&m.id)
+            .bind(&m.checksum)
+            .bind(format_timestamp(now_millis()))
+            .execute(&mut *tx)
             .await
-            .map_err(migrate_error("read applied migrations"))?;
-            let mut report = MigrationReport::default();
-            for m in plan(migrations, recorded, &mut report)? {
-                for statement in &m.up {
-                    sqlx::raw_sql(AssertSqlSafe(statement.as_str()))
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(migrate_error(&m.id))?;
-                }
-                sqlx::query(
-                    "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum, applied_at) VALUES (?, ?, ?, ?, ?)",
-                )
-                .bind(tables.outbox())
-                .bind(i64::from(m.version))
-                .bind(&m.id)
-                .bind(&m.checksum)
-                .bind(format_timestamp(now_millis()))
-                .execute(&mut *tx)
-                .await
-                .map_err(migrate_error(&m.id))?;
-                tracing::info!(migration = %m.id, "applied outbox migration");
-                report.applied.push(m.id);
-            }
-            tx.commit().await.map_err(migrate_error("commit"))?;
-            Ok(report)
+            .map_err(migrate_error(&m.id))?;
+            tracing::info!(migration = %m.id, "applied outbox migration");
+            report.applied.push(m.id);
         }
+        tx.commit().await.map_err(migrate_error("commit"))?;
+        Ok(report)
     }
 }
 
-async fn finish_batch(
+/// Reads the stored rows of `ids`.
+async fn read_stored(
     conn: &mut SqliteConnection,
     sql: &SqlStatements,
-    records: Vec<PreparedOutboxRecord>,
-    mut inserted: HashSet<String>,
-    now: DateTime<Utc>,
-) -> Result<Vec<OutboxMessage>> {
-    if inserted.len() == records.len() {
-        return Ok(records
-            .into_iter()
-            .map(|r| OutboxMessage::pending(r, now))
-            .collect());
-    }
-    let ours: Vec<bool> = records.iter().map(|r| inserted.remove(&r.id)).collect();
-    let missing: Vec<&str> = records
-        .iter()
-        .zip(&ours)
-        .filter(|(_, ours)| !**ours)
-        .map(|(r, _)| r.id.as_str())
-        .collect();
-    let mut stored: BTreeMap<String, OutboxMessage> = BTreeMap::new();
-    for chunk in missing.chunks(BATCH_ROWS) {
+    ids: Vec<String>,
+) -> Result<BTreeMap<String, OutboxMessage>> {
+    let mut stored = BTreeMap::new();
+    for chunk in ids.chunks(BATCH_ROWS) {
         let mut select = format!("SELECT {COLUMNS} FROM {} WHERE id IN (", sql.outbox_table);
         for i in 0..chunk.len() {
-            let _ = write!(select, "{}?", if i > 0 { ", " } else { "" });
+            select.push_str(if i > 0 { ", ?" } else { "?" });
         }
         select.push(')');
         let mut query = sqlx::query(AssertSqlSafe(select));
         for id in chunk {
-            query = query.bind(*id);
+            query = query.bind(id.as_str());
         }
         let rows = query
             .fetch_all(&mut *conn)
             .await
             .map_err(|source| Error::Enqueue {
-                id: chunk[0].to_owned(),
+                id: chunk[0].clone(),
                 source,
             })?;
         for row in &rows {
@@ -238,19 +213,7 @@ async fn finish_batch(
             stored.insert(message.id.clone(), message);
         }
     }
-    records
-        .into_iter()
-        .zip(ours)
-        .map(|(r, ours)| {
-            if ours {
-                Ok(OutboxMessage::pending(r, now))
-            } else {
-                stored.get(&r.id).cloned().ok_or_else(|| {
-                    Error::decode(&r.id, "id", "row vanished between insert and read")
-                })
-            }
-        })
-        .collect()
+    Ok(stored)
 }
 
 fn timestamp(id: &str, column: &'static str, text: &str) -> Result<DateTime<Utc>> {
@@ -260,9 +223,8 @@ fn timestamp(id: &str, column: &'static str, text: &str) -> Result<DateTime<Utc>
 pub(crate) fn decode(row: &SqliteRow) -> Result<OutboxMessage> {
     let id: String = column(row, "", "id")?;
     let headers_text: String = column(row, &id, "headers")?;
-    let headers: BTreeMap<String, String> = serde_json::from_str(&headers_text).map_err(|e| {
-        Error::decode(&id, "headers", format!("not a JSON object of strings: {e}"))
-    })?;
+    let headers: BTreeMap<String, String> = serde_json::from_str(&headers_text)
+        .map_err(|e| Error::decode(&id, "headers", format!("not a JSON object of strings: {e}")))?;
     let outcome = column::<_, Option<String>>(row, &id, "outcome")?
         .map(|text| serde_json::from_str(&text))
         .transpose()

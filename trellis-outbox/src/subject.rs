@@ -9,20 +9,14 @@ use std::borrow::Cow;
 pub(crate) fn is_js_whitespace(c: char) -> bool {
     matches!(
         c,
-        '\t' | '\n'
-            | '\u{b}'
-            | '\u{c}'
-            | '\r'
-            | ' '
-            | '\u{a0}'
-            | '\u{1680}'
-            | '\u{2000}'..='\u{200a}'
-            | '\u{2028}'
-            | '\u{2029}'
-            | '\u{202f}'
-            | '\u{205f}'
-            | '\u{3000}'
-            | '\u{feff}'
+        '\t' | '\n' | '\u{b}' | '\u{c}' | '\r' | ' ' | '\u{a0}' | '\u{1680}' | '\u{2000}'
+            ..='\u{200a}'
+                | '\u{2028}'
+                | '\u{2029}'
+                | '\u{202f}'
+                | '\u{205f}'
+                | '\u{3000}'
+                | '\u{feff}'
     )
 }
 
@@ -83,7 +77,9 @@ pub(crate) fn subject_problem(subject: &str) -> Option<String> {
         .chars()
         .find(|&c| is_js_whitespace(c) || c.is_ascii_control())
     {
-        return Some(format!("contains whitespace or a control character ({c:?})"));
+        return Some(format!(
+            "contains whitespace or a control character ({c:?})"
+        ));
     }
     for (index, token) in subject.split('.').enumerate() {
         match token {
@@ -120,7 +116,9 @@ mod tests {
     fn validates_subjects() {
         assert_eq!(subject_problem("events.v1.Thing.Changed"), None);
         assert_eq!(subject_problem("events.v1.a*b.c>d"), None);
-        for bad in ["", "a b", "a..b", ".a", "a.", "a.*.b", "a.>", "a\nb", "a\0b"] {
+        for bad in [
+            "", "a b", "a..b", ".a", "a.", "a.*.b", "a.>", "a\nb", "a\0b",
+        ] {
             assert!(subject_problem(bad).is_some(), "{bad:?} accepted");
         }
     }

@@ -1,0 +1,108 @@
+//! The quick start: an order handler that writes its business row and its event in one
+//! transaction, on an embedded SQLite file. No service needed.
+//!
+//! ```text
+//! cargo run --example quickstart
+//! ```
+
+use serde::Serialize;
+use sqlx::Row;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
+use trellis_outbox::{OutboxTransactionExt, PreparedOutboxRecord};
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct OrderPlaced {
+    order_id: String,
+    total_cents: i64,
+}
+
+/// A request handler: the order row and its event commit together or not at all.
+async fn place_order(
+    pool: &sqlx::SqlitePool,
+    order_id: &str,
+    total_cents: i64,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("INSERT INTO orders (id, total_cents) VALUES (?, ?)")
+        .bind(order_id)
+        .bind(total_cents)
+        .execute(&mut *tx)
+        .await?;
+    let event = PreparedOutboxRecord::event(
+        "Orders.Placed",
+        format!(
+            "events.v1.Orders.Placed.{}",
+            trellis_outbox::escape_subject_token(order_id)
+        ),
+        &OrderPlaced {
+            order_id: order_id.to_owned(),
+            total_cents,
+        },
+    )?;
+    let stored = tx.enqueue(&event).await?;
+    tx.commit().await?;
+    println!(
+        "committed order {order_id} with outbox row {} ({})",
+        stored.id, stored.state
+    );
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("quickstart.db");
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+    let options = SqliteConnectOptions::new()
+        .filename(&path)
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Normal);
+    let pool = sqlx::SqlitePool::connect_with(options).await?;
+    println!("database: {}", path.display());
+
+    let report = trellis_outbox::migrate(&pool).await?;
+    println!("applied migrations: {:?}", report.applied);
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS orders (id TEXT PRIMARY KEY, total_cents INTEGER NOT NULL)",
+    )
+    .execute(&pool)
+    .await?;
+
+    place_order(&pool, "ord-1001", 4_999).await?;
+    place_order(&pool, "ord-1002", 1_250).await?;
+
+    // A failing handler rolls back: neither its order nor its event is stored.
+    match place_order(&pool, "ord-1001", 1).await {
+        Ok(()) => println!("unexpected: the duplicate order was accepted"),
+        Err(e) => println!("duplicate order rejected, nothing enqueued: {e}"),
+    }
+
+    println!("\nstored outbox rows:");
+    let rows = sqlx::query("SELECT id, kind, name, subject, payload, headers, state, attempts, created_at FROM trellis_outbox ORDER BY created_at, id")
+        .fetch_all(&pool)
+        .await?;
+    for row in &rows {
+        println!(
+            "  {} {} {} -> {}\n    payload {}\n    headers {}\n    state {} attempts {} created {}",
+            row.get::<String, _>("id"),
+            row.get::<String, _>("kind"),
+            row.get::<String, _>("name"),
+            row.get::<String, _>("subject"),
+            row.get::<String, _>("payload"),
+            row.get::<String, _>("headers"),
+            row.get::<String, _>("state"),
+            row.get::<i64, _>("attempts"),
+            row.get::<String, _>("created_at"),
+        );
+    }
+    println!(
+        "\n{} events wait for a dispatcher to publish them after commit.",
+        rows.len()
+    );
+    Ok(())
+}
