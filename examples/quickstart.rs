@@ -8,10 +8,12 @@
 use serde::Serialize;
 use sqlx::Row;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
-use trellis_outbox::{OutboxTransactionExt, PreparedOutboxRecord};
+use trellis_outbox::{OutboxEvent, OutboxTransactionExt};
 
-#[derive(Serialize)]
+/// The event: its payload is serde's output, its subject is rendered from the template.
+#[derive(Serialize, OutboxEvent)]
 #[serde(rename_all = "camelCase")]
+#[outbox(name = "Orders.Placed", subject = "events.v1.Orders.Placed.{order_id}")]
 struct OrderPlaced {
     order_id: String,
     total_cents: i64,
@@ -29,17 +31,10 @@ async fn place_order(
         .bind(total_cents)
         .execute(&mut *tx)
         .await?;
-    let event = PreparedOutboxRecord::event(
-        "Orders.Placed",
-        format!(
-            "events.v1.Orders.Placed.{}",
-            trellis_outbox::escape_subject_token(order_id)
-        ),
-        &OrderPlaced {
-            order_id: order_id.to_owned(),
-            total_cents,
-        },
-    )?;
+    let event = OrderPlaced {
+        order_id: order_id.to_owned(),
+        total_cents,
+    };
     let stored = tx.enqueue(&event).await?;
     tx.commit().await?;
     println!(
