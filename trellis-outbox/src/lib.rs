@@ -61,6 +61,7 @@ extern crate self as trellis_outbox;
 
 #[cfg(feature = "cli")]
 pub mod cli;
+mod dispatch;
 mod error;
 mod event;
 mod job;
@@ -79,6 +80,9 @@ mod subject;
 mod tables;
 mod time;
 
+pub use crate::dispatch::{
+    BoxError, Claim, Dispatched, OutboxRepository, PoisonRow, PublishError, Publisher,
+};
 pub use crate::error::{Error, Result};
 pub use crate::event::{OutboxEvent, TRACEPARENT, TRACESTATE, TraceContext};
 pub use crate::job::{JobMode, JobSubmission, OutboxJob, REQUEST_ID};

@@ -1,0 +1,98 @@
+//! The delivery side of dispatching.
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::future::Future;
+
+use crate::record::OutboxMessage;
+
+/// A boxed error from a publisher.
+pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
+
+/// Why one message could not be delivered, and whether trying again may help.
+///
+/// # Examples
+///
+/// ```
+/// use trellis_outbox::PublishError;
+///
+/// let err = PublishError::permanent("maximum payload exceeded");
+/// assert!(!err.is_retryable());
+/// assert_eq!(err.to_string(), "maximum payload exceeded");
+/// ```
+#[derive(Debug)]
+pub struct PublishError {
+    retryable: bool,
+    source: BoxError,
+}
+
+impl PublishError {
+    /// A failure that may pass on a later attempt (timeouts, broken connections, no
+    /// responders, a stream not created yet).
+    pub fn retryable(source: impl Into<BoxError>) -> Self {
+        Self {
+            retryable: true,
+            source: source.into(),
+        }
+    }
+
+    /// A failure that no retry will fix (payload larger than the server allows, an invalid
+    /// subject): the row goes straight to `dead`.
+    pub fn permanent(source: impl Into<BoxError>) -> Self {
+        Self {
+            retryable: false,
+            source: source.into(),
+        }
+    }
+
+    /// Whether a later attempt may succeed.
+    pub fn is_retryable(&self) -> bool {
+        self.retryable
+    }
+
+    /// The underlying error.
+    pub fn source_error(&self) -> &(dyn StdError + Send + Sync + 'static) {
+        &*self.source
+    }
+
+    /// The error and its whole cause chain, `outer: inner: innermost` — what is stored in
+    /// `last_error` (upstream stores only a generic message).
+    pub fn chain(&self) -> String {
+        let mut text = self.source.to_string();
+        let mut next = self.source.source();
+        while let Some(cause) = next {
+            let cause_text = cause.to_string();
+            if !text.ends_with(&cause_text) {
+                text.push_str(": ");
+                text.push_str(&cause_text);
+            }
+            next = cause.source();
+        }
+        text
+    }
+}
+
+impl fmt::Display for PublishError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.source, f)
+    }
+}
+
+impl StdError for PublishError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.source.source()
+    }
+}
+
+/// Delivers claimed outbox messages (to JetStream, or anywhere else).
+///
+/// `publish_batch` receives a whole claimed batch so it can pipeline: send every message,
+/// then await the acknowledgements. It returns one result per message, in order; `Ok` may
+/// carry an outcome to store in the row's `outcome` column.
+pub trait Publisher: Send + Sync + 'static {
+    /// Delivers `messages`, returning one result per message, in the same order.
+    fn publish_batch(
+        &self,
+        messages: &[OutboxMessage],
+    ) -> impl Future<Output = Vec<Result<Option<serde_json::Value>, PublishError>>> + Send;
+}

@@ -1,0 +1,159 @@
+//! The storage side of dispatching: claiming due rows under a lease and marking them.
+
+use std::future::Future;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+use crate::error::Result;
+use crate::record::OutboxMessage;
+
+/// A row a claim returned that could not be decoded (unknown kind or state, malformed
+/// headers, …). The dispatcher moves it to `dead` with `reason` instead of letting it block
+/// the rows behind it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PoisonRow {
+    /// The row's id.
+    pub id: String,
+    /// Why it could not be decoded.
+    pub reason: String,
+}
+
+/// Rows claimed together under one lease.
+///
+/// Every mark is fenced by [`Claim::token`]: once the lease expires and another dispatcher
+/// claims a row, marks made with the old token change nothing.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Claim {
+    /// The fencing token written to every claimed row (a new ULID per claim).
+    pub token: String,
+    /// The due cutoff this claim used, on the database's clock. Pass it as `cutoff` to the
+    /// next claim of the same drain wave so a row that failed during the wave is not retried
+    /// within it (spec §A.5), however short its retry delay.
+    pub cutoff: DateTime<Utc>,
+    /// The decoded rows, in dispatch order: `created_at`, then `id`.
+    pub messages: Vec<OutboxMessage>,
+    /// Claimed rows that could not be decoded.
+    pub poisoned: Vec<PoisonRow>,
+}
+
+impl Claim {
+    /// An empty claim (nothing was due).
+    pub fn empty(token: String, cutoff: DateTime<Utc>) -> Self {
+        Self {
+            token,
+            cutoff,
+            messages: Vec::new(),
+            poisoned: Vec::new(),
+        }
+    }
+
+    /// Whether the claim holds no rows at all.
+    pub fn is_empty(&self) -> bool {
+        self.messages.is_empty() && self.poisoned.is_empty()
+    }
+
+    /// How many rows the claim holds, decodable or not.
+    pub fn len(&self) -> usize {
+        self.messages.len() + self.poisoned.len()
+    }
+}
+
+/// A successfully dispatched row and what dispatching produced.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Dispatched {
+    /// The row's id.
+    pub id: String,
+    /// Stored in the `outcome` column (e.g. a job admission result); `None` stores NULL.
+    pub outcome: Option<serde_json::Value>,
+}
+
+impl Dispatched {
+    /// A dispatched row with no outcome.
+    pub fn new(id: impl Into<String>) -> Self {
+        Self {
+            id: id.into(),
+            outcome: None,
+        }
+    }
+
+    /// A dispatched row with an outcome.
+    pub fn with_outcome(id: impl Into<String>, outcome: serde_json::Value) -> Self {
+        Self {
+            id: id.into(),
+            outcome: Some(outcome),
+        }
+    }
+}
+
+/// Where dispatchers claim due rows and record what happened to them.
+///
+/// Implemented by [`PgOutboxRepository`](crate::PgOutboxRepository),
+/// [`SqliteOutboxRepository`](crate::SqliteOutboxRepository) and
+/// [`MemoryOutboxRepository`](crate::MemoryOutboxRepository). Times that decide who owns a row
+/// (lease expiry, due times) are computed with the **repository's** clock (`now()` on
+/// Postgres), so dispatchers on hosts with skewed clocks still agree.
+///
+/// Due rows are those in state `pending` or `failed` whose `next_attempt_at` is unset or not
+/// after the cutoff, and whose lease (if any) has expired. Rows in `dispatched` or `dead` are
+/// never claimed.
+pub trait OutboxRepository: Send + Sync + 'static {
+    /// Claims up to `limit` due rows for `lease`, oldest first (`created_at`, then `id`).
+    ///
+    /// `cutoff`: the due cutoff; `None` means the repository's current time. Pass the previous
+    /// claim's [`Claim::cutoff`] to stay in one drain wave.
+    fn claim_due(
+        &self,
+        limit: usize,
+        lease: Duration,
+        cutoff: Option<DateTime<Utc>>,
+    ) -> impl Future<Output = Result<Claim>> + Send;
+
+    /// Marks rows of `claim` dispatched (clearing `next_attempt_at`, `last_error` and the
+    /// lease; storing each outcome). Returns how many rows were still held by the claim and so
+    /// were marked; rows whose lease was lost are left alone.
+    fn mark_dispatched(
+        &self,
+        claim: &Claim,
+        rows: &[Dispatched],
+    ) -> impl Future<Output = Result<u64>> + Send;
+
+    /// Marks one row of `claim` failed: `attempts + 1`, `last_error = error`, due again
+    /// `retry_after` from now (repository clock), lease released. Returns `false` if the
+    /// lease was lost (nothing changed).
+    fn mark_failed(
+        &self,
+        claim: &Claim,
+        id: &str,
+        error: &str,
+        retry_after: Duration,
+    ) -> impl Future<Output = Result<bool>> + Send;
+
+    /// Moves one row of `claim` to `dead` with `reason`; `count_attempt` adds one to
+    /// `attempts` (when the row was tried and failed, not when it could not be decoded).
+    /// Returns `false` if the lease was lost.
+    fn mark_dead(
+        &self,
+        claim: &Claim,
+        id: &str,
+        reason: &str,
+        count_attempt: bool,
+    ) -> impl Future<Output = Result<bool>> + Send;
+
+    /// Releases the lease on rows of `claim` that were not attempted (on shutdown), making
+    /// them claimable at once. Returns how many were released.
+    fn release(&self, claim: &Claim, ids: &[&str]) -> impl Future<Output = Result<u64>> + Send;
+
+    /// Moves a `dead` or `failed` row back to `pending`, due now, with `attempts` reset to 0
+    /// and the lease cleared (an operator's retry). Returns `false` if no such row exists in
+    /// those states.
+    fn retry(&self, id: &str) -> impl Future<Output = Result<bool>> + Send;
+
+    /// How long until the next row becomes claimable: the earliest `next_attempt_at` of a
+    /// failed row or lease expiry of a leased row; `Some(Duration::ZERO)` if a row is due now,
+    /// `None` if no undispatched row exists.
+    fn next_due_in(&self) -> impl Future<Output = Result<Option<Duration>>> + Send;
+}
