@@ -53,6 +53,23 @@ fn ids_versions_and_checksums_match_upstream() {
     }
 }
 
+// Later versions never change: their checksums are pinned here (computed independently).
+#[test]
+fn v2_is_pinned_and_additive() {
+    for (dialect, checksum) in [
+        (Dialect::Sqlite, "fnv1a64:94cf470321c5fd96"),
+        (Dialect::Postgres, "fnv1a64:5fc5f1d082937d0b"),
+    ] {
+        let all = migrations(dialect, &OutboxTables::default());
+        let v2 = &all[1];
+        assert_eq!(v2.id, format!("trellis_sql_outbox_inbox_{dialect}_v2"));
+        assert_eq!(v2.version, 2);
+        assert_eq!(v2.checksum, checksum, "{dialect}");
+        assert!(v2.up.iter().all(|s| s.starts_with("ALTER TABLE trellis_outbox ADD COLUMN")
+            || s.starts_with("CREATE INDEX IF NOT EXISTS")));
+    }
+}
+
 #[test]
 fn v1_sql_is_upstreams_text() {
     let m = &migrations(Dialect::Sqlite, &OutboxTables::default())[0];
@@ -143,7 +160,7 @@ fn script_is_pasteable() {
     assert!(sql.starts_with(
         "-- trellis_sql_outbox_inbox_sqlite_v1 (up), version 1, fnv1a64:8178e5295d0acfeb\n"
     ));
-    assert_eq!(sql.matches(";\n").count(), 3);
+    assert_eq!(sql.matches(";\n").count(), 6);
 }
 
 async fn pg_table_exists(pool: &sqlx::PgPool, name: &str) -> bool {
@@ -167,7 +184,10 @@ async fn sqlite_table_exists(pool: &sqlx::SqlitePool, name: &str) -> bool {
 async fn pg_migrate_twice_is_a_no_op() {
     let db = TestPg::new().await;
     let first = migrate(&db.pool).await.unwrap();
-    assert_eq!(first.applied, ["trellis_sql_outbox_inbox_postgres_v1"]);
+    assert_eq!(
+        first.applied,
+        ["trellis_sql_outbox_inbox_postgres_v1", "trellis_sql_outbox_inbox_postgres_v2"]
+    );
     assert!(first.already_applied.is_empty());
     for table in [
         "trellis_outbox",
@@ -181,7 +201,7 @@ async fn pg_migrate_twice_is_a_no_op() {
     assert!(second.applied.is_empty());
     assert_eq!(
         second.already_applied,
-        ["trellis_sql_outbox_inbox_postgres_v1"]
+        ["trellis_sql_outbox_inbox_postgres_v1", "trellis_sql_outbox_inbox_postgres_v2"]
     );
     let (id, checksum): (String, String) = sqlx::query_as(
         "SELECT id, checksum FROM trellis_outbox_migrations WHERE outbox_table = 'trellis_outbox' AND version = 1",
@@ -198,7 +218,10 @@ async fn pg_migrate_twice_is_a_no_op() {
 async fn sqlite_migrate_twice_is_a_no_op() {
     let db = TestSqlite::new().await;
     let first = migrate(&db.pool).await.unwrap();
-    assert_eq!(first.applied, ["trellis_sql_outbox_inbox_sqlite_v1"]);
+    assert_eq!(
+        first.applied,
+        ["trellis_sql_outbox_inbox_sqlite_v1", "trellis_sql_outbox_inbox_sqlite_v2"]
+    );
     for table in [
         "trellis_outbox",
         "trellis_inbox",
@@ -214,7 +237,7 @@ async fn sqlite_migrate_twice_is_a_no_op() {
     assert!(second.applied.is_empty());
     assert_eq!(
         second.already_applied,
-        ["trellis_sql_outbox_inbox_sqlite_v1"]
+        ["trellis_sql_outbox_inbox_sqlite_v1", "trellis_sql_outbox_inbox_sqlite_v2"]
     );
 }
 
@@ -269,7 +292,7 @@ async fn pg_concurrent_migrations_apply_once() {
     let db = TestPg::new().await;
     let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
     let applied: usize = reports.into_iter().map(|r| r.unwrap().applied.len()).sum();
-    assert_eq!(applied, 1);
+    assert_eq!(applied, 2, "each version applied by exactly one caller");
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox_migrations")
         .fetch_one(&db.pool)
         .await
@@ -283,19 +306,19 @@ async fn sqlite_concurrent_migrations_apply_once() {
     let db = TestSqlite::new().await;
     let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
     let applied: usize = reports.into_iter().map(|r| r.unwrap().applied.len()).sum();
-    assert_eq!(applied, 1);
+    assert_eq!(applied, 2, "each version applied by exactly one caller");
 }
 
 #[tokio::test]
 async fn pg_custom_tables_are_separate_and_default_ones_untouched() {
     let db = TestPg::new().await;
     let report = migrate_with(&db.pool, &service_tables()).await.unwrap();
-    assert_eq!(report.applied.len(), 1);
+    assert_eq!(report.applied.len(), 2);
     assert!(pg_table_exists(&db.pool, "service_outbox").await);
     assert!(pg_table_exists(&db.pool, "service_inbox").await);
     assert!(!pg_table_exists(&db.pool, "trellis_outbox").await);
     // The default tables are migrated independently in the same database.
-    assert_eq!(migrate(&db.pool).await.unwrap().applied.len(), 1);
+    assert_eq!(migrate(&db.pool).await.unwrap().applied.len(), 2);
     assert!(pg_table_exists(&db.pool, "trellis_outbox").await);
     db.close().await;
 }
@@ -316,7 +339,10 @@ async fn sqlite_adopts_a_table_created_by_trellis_ts() {
         .await
         .unwrap();
     let report = migrate(&db.pool).await.unwrap();
-    assert_eq!(report.applied, ["trellis_sql_outbox_inbox_sqlite_v1"]);
+    assert_eq!(
+        report.applied,
+        ["trellis_sql_outbox_inbox_sqlite_v1", "trellis_sql_outbox_inbox_sqlite_v2"]
+    );
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox")
         .fetch_one(&db.pool)
         .await

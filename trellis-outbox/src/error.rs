@@ -117,6 +117,17 @@ pub enum Error {
         source: sqlx::Error,
     },
 
+    /// The database failed during a dispatch operation (claim, mark, release, …).
+    #[error("database error during outbox {operation}")]
+    Repository {
+        /// The operation: `claim`, `mark dispatched`, `mark failed`, `mark dead`, `release`,
+        /// `retry` or `next due`.
+        operation: &'static str,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+
     /// A migration recorded in the database differs from the one this library would apply.
     #[error(
         "outbox migration {id} (version {version}) was applied with checksum {recorded}, \
@@ -154,6 +165,9 @@ impl Error {
             Error::Enqueue { source, .. }
             | Error::RecordInbox { source, .. }
             | Error::Migrate { source, .. } => sqlx_is_retryable(source),
+            // A dispatcher retries repository operations on its own schedule; connection
+            // and contention failures are worth retrying, constraint violations are not.
+            Error::Repository { source, .. } => sqlx_is_retryable(source),
             _ => false,
         }
     }

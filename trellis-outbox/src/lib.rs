@@ -83,6 +83,10 @@ mod time;
 pub use crate::dispatch::{
     BoxError, Claim, Dispatched, OutboxRepository, PoisonRow, PublishError, Publisher,
 };
+#[cfg(feature = "postgres")]
+pub use crate::dispatch::PgOutboxRepository;
+#[cfg(feature = "sqlite")]
+pub use crate::dispatch::SqliteOutboxRepository;
 pub use crate::error::{Error, Result};
 pub use crate::event::{OutboxEvent, TRACEPARENT, TRACESTATE, TraceContext};
 pub use crate::job::{JobMode, JobSubmission, OutboxJob, REQUEST_ID};

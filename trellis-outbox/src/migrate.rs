@@ -93,7 +93,7 @@ fn script(m: &SqlOutboxMigration, direction: &str, statements: &[String]) -> Str
 /// # Ok::<(), trellis_outbox::Error>(())
 /// ```
 pub fn migrations(dialect: Dialect, tables: &OutboxTables) -> Vec<SqlOutboxMigration> {
-    vec![v1(dialect, tables)]
+    vec![v1(dialect, tables), v2(dialect, tables)]
 }
 
 /// Every migration's `up` script for `dialect` on `tables`, concatenated in version order.
@@ -143,6 +143,48 @@ fn v1(dialect: Dialect, tables: &OutboxTables) -> SqlOutboxMigration {
     SqlOutboxMigration::new(
         format!("trellis_sql_outbox_inbox_{dialect}_v1"),
         1,
+        dialect,
+        up,
+        down,
+    )
+}
+
+/// Version 2 (trellis-outbox): claim leases and fencing tokens, and a partial index that
+/// serves the claim query. Additive: new nullable columns, a new index.
+fn v2(dialect: Dialect, tables: &OutboxTables) -> SqlOutboxMigration {
+    let o = tables.outbox();
+    let index = format!(
+        "CREATE INDEX IF NOT EXISTS {o}_claim_idx ON {o} (created_at, id) WHERE state IN ('pending', 'failed')"
+    );
+    let (up, down) = match dialect {
+        Dialect::Postgres => (
+            vec![
+                format!("ALTER TABLE {o} ADD COLUMN IF NOT EXISTS claimed_until timestamptz"),
+                format!("ALTER TABLE {o} ADD COLUMN IF NOT EXISTS claim_token text"),
+                index,
+            ],
+            vec![
+                format!("DROP INDEX IF EXISTS {o}_claim_idx"),
+                format!("ALTER TABLE {o} DROP COLUMN IF EXISTS claim_token"),
+                format!("ALTER TABLE {o} DROP COLUMN IF EXISTS claimed_until"),
+            ],
+        ),
+        Dialect::Sqlite => (
+            vec![
+                format!("ALTER TABLE {o} ADD COLUMN claimed_until TEXT"),
+                format!("ALTER TABLE {o} ADD COLUMN claim_token TEXT"),
+                index,
+            ],
+            vec![
+                format!("DROP INDEX IF EXISTS {o}_claim_idx"),
+                format!("ALTER TABLE {o} DROP COLUMN claim_token"),
+                format!("ALTER TABLE {o} DROP COLUMN claimed_until"),
+            ],
+        ),
+    };
+    SqlOutboxMigration::new(
+        format!("trellis_sql_outbox_inbox_{dialect}_v2"),
+        2,
         dialect,
         up,
         down,

@@ -1,0 +1,251 @@
+//! [`OutboxRepository`] on PostgreSQL.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::postgres::PgRow;
+use sqlx::{AssertSqlSafe, PgPool, Row};
+
+use super::repository::{Claim, Dispatched, OutboxRepository, PoisonRow};
+use crate::error::{Error, Result};
+use crate::record::new_id;
+use crate::sql::COLUMNS;
+use crate::tables::OutboxTables;
+
+/// The outbox repository on PostgreSQL: claims with `FOR UPDATE SKIP LOCKED` in a single
+/// statement, under a lease and a fencing token, using the server's clock.
+///
+/// Needs migration version 2 ([`migrate`](crate::migrate())).
+///
+/// # Examples
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use trellis_outbox::{OutboxRepository, PgOutboxRepository};
+///
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), trellis_outbox::Error> {
+/// let repository = PgOutboxRepository::new(pool);
+/// let claim = repository.claim_due(100, Duration::from_secs(30), None).await?;
+/// for message in &claim.messages {
+///     println!("{} -> {}", message.id, message.subject);
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct PgOutboxRepository {
+    pool: PgPool,
+    sql: Arc<Statements>,
+}
+
+#[derive(Debug)]
+struct Statements {
+    claim: String,
+    mark_dispatched: String,
+    mark_failed: String,
+    mark_dead: String,
+    release: String,
+    retry: String,
+    next_due_in: String,
+}
+
+impl PgOutboxRepository {
+    /// A repository on the default tables.
+    pub fn new(pool: PgPool) -> Self {
+        Self::with_tables(pool, &OutboxTables::default())
+    }
+
+    /// A repository on `tables`.
+    pub fn with_tables(pool: PgPool, tables: &OutboxTables) -> Self {
+        let o = tables.outbox();
+        let sql = Statements {
+            claim: format!(
+                "UPDATE {o} SET claimed_until = now() + make_interval(secs => $2), claim_token = $3 \
+                 WHERE id IN (SELECT id FROM {o} \
+                 WHERE state IN ('pending', 'failed') \
+                 AND (next_attempt_at IS NULL OR next_attempt_at <= COALESCE($4, now())) \
+                 AND (claimed_until IS NULL OR claimed_until <= now()) \
+                 ORDER BY created_at, id LIMIT $1 FOR UPDATE SKIP LOCKED) \
+                 RETURNING {COLUMNS}, COALESCE($4, now()) AS claim_cutoff"
+            ),
+            mark_dispatched: format!(
+                "UPDATE {o} AS o SET state = 'dispatched', updated_at = now(), next_attempt_at = NULL, \
+                 last_error = NULL, outcome = d.outcome::jsonb, claimed_until = NULL, claim_token = NULL \
+                 FROM UNNEST($1::text[], $2::text[]) AS d(id, outcome) \
+                 WHERE o.id = d.id AND o.claim_token = $3"
+            ),
+            mark_failed: format!(
+                "UPDATE {o} SET state = 'failed', attempts = attempts + 1, updated_at = now(), \
+                 next_attempt_at = now() + make_interval(secs => $3), last_error = $4, \
+                 claimed_until = NULL, claim_token = NULL \
+                 WHERE id = $1 AND claim_token = $2"
+            ),
+            mark_dead: format!(
+                "UPDATE {o} SET state = 'dead', attempts = attempts + $3, updated_at = now(), \
+                 next_attempt_at = NULL, last_error = $4, claimed_until = NULL, claim_token = NULL \
+                 WHERE id = $1 AND claim_token = $2"
+            ),
+            release: format!(
+                "UPDATE {o} SET claimed_until = NULL, claim_token = NULL \
+                 WHERE id = ANY($1) AND claim_token = $2"
+            ),
+            retry: format!(
+                "UPDATE {o} SET state = 'pending', attempts = 0, updated_at = now(), next_attempt_at = NULL, \
+                 claimed_until = NULL, claim_token = NULL \
+                 WHERE id = $1 AND state IN ('failed', 'dead')"
+            ),
+            next_due_in: format!(
+                "SELECT EXTRACT(EPOCH FROM (min(GREATEST(COALESCE(next_attempt_at, now()), \
+                 COALESCE(claimed_until, now()))) - now()))::float8 \
+                 FROM {o} WHERE state IN ('pending', 'failed')"
+            ),
+        };
+        Self {
+            pool,
+            sql: Arc::new(sql),
+        }
+    }
+
+    /// The pool this repository uses.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+}
+
+fn repo_error(operation: &'static str) -> impl Fn(sqlx::Error) -> Error {
+    move |source| Error::Repository { operation, source }
+}
+
+fn secs(duration: Duration) -> f64 {
+    duration.as_secs_f64()
+}
+
+fn decode_claimed(row: &PgRow) -> std::result::Result<crate::OutboxMessage, PoisonRow> {
+    crate::postgres::decode(row).map_err(|error| PoisonRow {
+        id: row.try_get::<String, _>("id").unwrap_or_default(),
+        reason: error.to_string(),
+    })
+}
+
+impl OutboxRepository for PgOutboxRepository {
+    async fn claim_due(
+        &self,
+        limit: usize,
+        lease: Duration,
+        cutoff: Option<DateTime<Utc>>,
+    ) -> Result<Claim> {
+        let token = new_id();
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = sqlx::query(AssertSqlSafe(self.sql.claim.as_str()))
+            .bind(limit)
+            .bind(secs(lease))
+            .bind(&token)
+            .bind(cutoff)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(repo_error("claim"))?;
+        let Some(first) = rows.first() else {
+            return Ok(Claim::empty(token, cutoff.unwrap_or_else(Utc::now)));
+        };
+        let cutoff: DateTime<Utc> = first
+            .try_get("claim_cutoff")
+            .map_err(|e| Error::decode("", "claim_cutoff", e))?;
+        let mut claim = Claim::empty(token, cutoff);
+        for row in &rows {
+            match decode_claimed(row) {
+                Ok(message) => claim.messages.push(message),
+                Err(poison) => claim.poisoned.push(poison),
+            }
+        }
+        // RETURNING does not keep the subquery's order.
+        claim
+            .messages
+            .sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+        Ok(claim)
+    }
+
+    async fn mark_dispatched(&self, claim: &Claim, rows: &[Dispatched]) -> Result<u64> {
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
+        let outcomes: Vec<Option<String>> = rows
+            .iter()
+            .map(|r| r.outcome.as_ref().map(serde_json::Value::to_string))
+            .collect();
+        let result = sqlx::query(AssertSqlSafe(self.sql.mark_dispatched.as_str()))
+            .bind(ids)
+            .bind(outcomes)
+            .bind(&claim.token)
+            .execute(&self.pool)
+            .await
+            .map_err(repo_error("mark dispatched"))?;
+        Ok(result.rows_affected())
+    }
+
+    async fn mark_failed(
+        &self,
+        claim: &Claim,
+        id: &str,
+        error: &str,
+        retry_after: Duration,
+    ) -> Result<bool> {
+        let result = sqlx::query(AssertSqlSafe(self.sql.mark_failed.as_str()))
+            .bind(id)
+            .bind(&claim.token)
+            .bind(secs(retry_after))
+            .bind(error)
+            .execute(&self.pool)
+            .await
+            .map_err(repo_error("mark failed"))?;
+        Ok(result.rows_affected() == 1)
+    }
+
+    async fn mark_dead(
+        &self,
+        claim: &Claim,
+        id: &str,
+        reason: &str,
+        count_attempt: bool,
+    ) -> Result<bool> {
+        let result = sqlx::query(AssertSqlSafe(self.sql.mark_dead.as_str()))
+            .bind(id)
+            .bind(&claim.token)
+            .bind(i32::from(count_attempt))
+            .bind(reason)
+            .execute(&self.pool)
+            .await
+            .map_err(repo_error("mark dead"))?;
+        Ok(result.rows_affected() == 1)
+    }
+
+    async fn release(&self, claim: &Claim, ids: &[&str]) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let result = sqlx::query(AssertSqlSafe(self.sql.release.as_str()))
+            .bind(ids)
+            .bind(&claim.token)
+            .execute(&self.pool)
+            .await
+            .map_err(repo_error("release"))?;
+        Ok(result.rows_affected())
+    }
+
+    async fn retry(&self, id: &str) -> Result<bool> {
+        let result = sqlx::query(AssertSqlSafe(self.sql.retry.as_str()))
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .map_err(repo_error("retry"))?;
+        Ok(result.rows_affected() == 1)
+    }
+
+    async fn next_due_in(&self) -> Result<Option<Duration>> {
+        let seconds: Option<f64> = sqlx::query_scalar(AssertSqlSafe(self.sql.next_due_in.as_str()))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(repo_error("next due"))?;
+        Ok(seconds.map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::ZERO)))
+    }
+}
