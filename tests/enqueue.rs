@@ -477,10 +477,12 @@ fn postgres_statements_use_numbered_placeholders() {
         assert!(!sql.contains('?'), "{sql}");
     }
     assert!(pg.enqueue().contains("$11") && pg.enqueue().contains("$13"));
-    assert_eq!(
-        pg.enqueue(),
+    // Upstream's statement, wrapped to notify the dispatcher ($14) when a row is inserted.
+    assert!(pg.enqueue().contains(
         "INSERT INTO trellis_outbox (id, kind, name, subject, payload, headers, state, attempts, created_at, updated_at, next_attempt_at, last_error, outcome) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) ON CONFLICT (id) DO NOTHING"
-    );
+    ));
+    assert!(pg.enqueue().contains("pg_notify($14, '')"));
+    assert_eq!(pg.notify_channel(), "trellis_outbox_wakeup");
     let sqlite = outbox.sql(trellis_outbox::Dialect::Sqlite);
     assert_eq!(
         sqlite.enqueue(),

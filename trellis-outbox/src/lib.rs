@@ -84,7 +84,7 @@ pub use crate::dispatch::{
     BoxError, Claim, Dispatched, OutboxRepository, PoisonRow, PublishError, Publisher,
 };
 #[cfg(feature = "postgres")]
-pub use crate::dispatch::PgOutboxRepository;
+pub use crate::dispatch::{PgOutboxRepository, PgWakeups};
 #[cfg(feature = "sqlite")]
 pub use crate::dispatch::SqliteOutboxRepository;
 pub use crate::error::{Error, Result};

@@ -46,10 +46,11 @@ impl Backend for Postgres {
             .bind(None::<DateTime<Utc>>)
             .bind(None::<String>)
             .bind(None::<Json<serde_json::Value>>)
-            .execute(&mut *conn)
+            .bind(&*sql.notify_channel)
+            .fetch_optional(&mut *conn)
             .await
             .map_err(enqueue_error)?
-            .rows_affected();
+            .map_or(0, |_| 1);
         if inserted == 1 {
             return Ok(OutboxMessage::pending(record, now));
         }
@@ -69,11 +70,13 @@ impl Backend for Postgres {
         let now = now_millis();
         let o = &*sql.outbox_table;
         let insert = format!(
-            "INSERT INTO {o} ({COLUMNS}) \
+            "WITH inserted AS (INSERT INTO {o} ({COLUMNS}) \
              SELECT t.id, t.kind, t.name, t.subject, t.payload, t.headers::jsonb, 'pending', 0, $7, $7, NULL, NULL, NULL \
              FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[]) \
              AS t(id, kind, name, subject, payload, headers) \
-             ON CONFLICT (id) DO NOTHING"
+             ON CONFLICT (id) DO NOTHING RETURNING 1), \
+             counted AS (SELECT count(*) AS n FROM inserted) \
+             SELECT n, CASE WHEN n > 0 THEN pg_notify($8, '')::text END FROM counted"
         );
         let mut inserted = 0;
         for chunk in records.chunks(BATCH_ROWS) {
@@ -93,7 +96,7 @@ impl Backend for Postgres {
                 })?);
             }
             let [ids, kinds, names, subjects, payloads] = columns;
-            inserted += sqlx::query(AssertSqlSafe(insert.as_str()))
+            let (count, _): (i64, Option<String>) = sqlx::query_as(AssertSqlSafe(insert.as_str()))
                 .bind(ids)
                 .bind(kinds)
                 .bind(names)
@@ -101,13 +104,14 @@ impl Backend for Postgres {
                 .bind(payloads)
                 .bind(headers)
                 .bind(now)
-                .execute(&mut *conn)
+                .bind(&*sql.notify_channel)
+                .fetch_one(&mut *conn)
                 .await
                 .map_err(|source| Error::Enqueue {
                     id: chunk[0].id.clone(),
                     source,
-                })?
-                .rows_affected();
+                })?;
+            inserted += u64::try_from(count).unwrap_or(0);
         }
         batch_result(records, inserted, now, |ids| read_stored(conn, sql, ids)).await
     }

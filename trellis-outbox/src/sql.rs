@@ -19,7 +19,8 @@ pub(crate) const COLUMNS: &str = "id, kind, name, subject, payload, headers, sta
 ///
 /// let outbox = Outbox::default();
 /// let sql = outbox.sql(Dialect::Postgres);
-/// assert!(sql.enqueue().ends_with("VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) ON CONFLICT (id) DO NOTHING"));
+/// assert!(sql.enqueue().contains("VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) ON CONFLICT (id) DO NOTHING"));
+/// assert_eq!(sql.notify_channel(), "trellis_outbox_wakeup");
 /// assert_eq!(
 ///     sql.inbox_insert(),
 ///     "INSERT INTO trellis_inbox (message_id, received_at) VALUES ($1, $2) ON CONFLICT (message_id) DO NOTHING",
@@ -32,6 +33,7 @@ pub struct SqlStatements {
     pub(crate) enqueue: Arc<str>,
     pub(crate) select_by_id: Arc<str>,
     pub(crate) inbox_insert: Arc<str>,
+    pub(crate) notify_channel: Arc<str>,
 }
 
 impl SqlStatements {
@@ -47,9 +49,13 @@ impl SqlStatements {
                     "INSERT INTO {i} (message_id, received_at) VALUES (?, ?) ON CONFLICT(message_id) DO NOTHING"
                 ),
             ),
+            // Upstream's INSERT, wrapped so that a row actually inserted also sends a wake-up
+            // notification ($14 = channel) in the same round trip; Postgres delivers it only
+            // when the transaction commits.
             Dialect::Postgres => (
                 format!(
-                    "INSERT INTO {o} ({COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) ON CONFLICT (id) DO NOTHING"
+                    "WITH inserted AS (INSERT INTO {o} ({COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) ON CONFLICT (id) DO NOTHING RETURNING 1) \
+                     SELECT pg_notify($14, '')::text FROM inserted"
                 ),
                 format!("SELECT {COLUMNS} FROM {o} WHERE id = $1"),
                 format!(
@@ -63,6 +69,7 @@ impl SqlStatements {
             enqueue: enqueue.into(),
             select_by_id: select_by_id.into(),
             inbox_insert: inbox_insert.into(),
+            notify_channel: notify_channel(tables).into(),
         }
     }
 
@@ -71,9 +78,16 @@ impl SqlStatements {
         self.dialect
     }
 
-    /// The single-row enqueue: upstream's `INSERT … ON CONFLICT … DO NOTHING`.
+    /// The single-row enqueue: upstream's `INSERT … ON CONFLICT … DO NOTHING`; on Postgres
+    /// wrapped so that an inserted row also notifies [`SqlStatements::notify_channel`].
     pub fn enqueue(&self) -> &str {
         &self.enqueue
+    }
+
+    /// The Postgres `LISTEN`/`NOTIFY` channel that enqueues on this outbox notify:
+    /// `<outbox table>_wakeup`. Notifications carry no payload; they are only a hint.
+    pub fn notify_channel(&self) -> &str {
+        &self.notify_channel
     }
 
     /// Reads one stored row by id (used when an enqueue hits an existing id).
@@ -85,4 +99,9 @@ impl SqlStatements {
     pub fn inbox_insert(&self) -> &str {
         &self.inbox_insert
     }
+}
+
+/// The wake-up channel of an outbox table.
+pub(crate) fn notify_channel(tables: &OutboxTables) -> String {
+    format!("{}_wakeup", tables.outbox())
 }

@@ -6,6 +6,8 @@ mod publisher;
 mod repository;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+#[cfg(feature = "postgres")]
+mod wakeup;
 
 pub use publisher::{BoxError, PublishError, Publisher};
 pub use repository::{Claim, Dispatched, OutboxRepository, PoisonRow};
@@ -13,3 +15,5 @@ pub use repository::{Claim, Dispatched, OutboxRepository, PoisonRow};
 pub use postgres::PgOutboxRepository;
 #[cfg(feature = "sqlite")]
 pub use sqlite::SqliteOutboxRepository;
+#[cfg(feature = "postgres")]
+pub use wakeup::PgWakeups;

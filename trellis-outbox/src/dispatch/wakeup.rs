@@ -1,0 +1,152 @@
+//! Cross-process wake-ups on PostgreSQL: `LISTEN` for the notifications enqueues send.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::PgPool;
+use sqlx::postgres::PgListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::error::{Error, Result};
+use crate::sql::notify_channel;
+use crate::tables::OutboxTables;
+
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Calls a wake-up function whenever a transaction that enqueued rows on this outbox commits,
+/// in any process (Postgres `LISTEN`/`NOTIFY`).
+///
+/// Every [`enqueue`](crate::OutboxTransactionExt::enqueue) on Postgres sends a payload-less
+/// notification on [`SqlStatements::notify_channel`](crate::SqlStatements::notify_channel);
+/// Postgres delivers it only if the transaction commits. Notifications are hints: after the
+/// listening connection drops, the listener connects and `LISTEN`s again and **then** calls
+/// the wake-up function once, so rows committed while it was deaf are found by the re-scan.
+/// Keep polling as the safety net (the dispatcher's idle interval).
+///
+/// The listener holds one connection of `pool` while it runs.
+///
+/// # Examples
+///
+/// ```no_run
+/// use trellis_outbox::{OutboxTables, PgWakeups};
+///
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), trellis_outbox::Error> {
+/// let wakeups = PgWakeups::listen(&pool, &OutboxTables::default(), || {
+///     // e.g. dispatcher_handle.notify()
+/// })
+/// .await?;
+/// // …
+/// wakeups.stop().await;
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct PgWakeups {
+    stop: watch::Sender<bool>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl PgWakeups {
+    /// Starts listening. Returns once the first `LISTEN` is in place, so every commit after
+    /// this returns is noticed.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Repository`] (operation `listen`) if the first connection or `LISTEN` fails.
+    pub async fn listen<F>(pool: &PgPool, tables: &OutboxTables, wake: F) -> Result<Self>
+    where
+        F: Fn() + Send + Sync + 'static,
+    {
+        let channel = notify_channel(tables);
+        let listener = connect(pool, &channel).await?;
+        let (stop, stopped) = watch::channel(false);
+        let task = tokio::spawn(run(
+            pool.clone(),
+            channel,
+            Arc::new(wake),
+            listener,
+            stopped,
+        ));
+        Ok(Self {
+            stop,
+            task: Some(task),
+        })
+    }
+
+    /// Stops listening and waits for the listener task to end.
+    pub async fn stop(mut self) {
+        let _ = self.stop.send(true);
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+/// Dropping the handle stops the listener too (without waiting for it).
+impl Drop for PgWakeups {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+async fn connect(pool: &PgPool, channel: &str) -> Result<PgListener> {
+    let listen_error = |source| Error::Repository {
+        operation: "listen",
+        source,
+    };
+    let mut listener = PgListener::connect_with(pool).await.map_err(listen_error)?;
+    listener.listen(channel).await.map_err(listen_error)?;
+    Ok(listener)
+}
+
+async fn run(
+    pool: PgPool,
+    channel: String,
+    wake: Arc<dyn Fn() + Send + Sync>,
+    first: PgListener,
+    mut stopped: watch::Receiver<bool>,
+) {
+    let mut listener = Some(first);
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        if *stopped.borrow() {
+            return;
+        }
+        let Some(active) = listener.as_mut() else {
+            match connect(&pool, &channel).await {
+                Ok(fresh) => {
+                    tracing::info!(%channel, "outbox wake-up listener reconnected");
+                    listener = Some(fresh);
+                    backoff = Duration::from_millis(100);
+                    // Listening again: now re-scan for what was committed meanwhile.
+                    wake();
+                }
+                Err(error) => {
+                    tracing::warn!(%channel, %error, ?backoff, "outbox wake-up listener cannot reconnect");
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = stopped.changed() => return,
+                    }
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                }
+            }
+            continue;
+        };
+        tokio::select! {
+            _ = stopped.changed() => return,
+            received = active.try_recv() => match received {
+                Ok(Some(_)) => wake(),
+                // The connection dropped and sqlx re-established it and re-issued LISTEN
+                // before returning: notifications in between may be lost, so re-scan.
+                Ok(None) => {
+                    tracing::info!(%channel, "outbox wake-up listener reconnected");
+                    wake();
+                }
+                Err(error) => {
+                    tracing::warn!(%channel, %error, "outbox wake-up listener lost its connection");
+                    listener = None;
+                }
+            },
+        }
+    }
+}
