@@ -1,0 +1,669 @@
+//! `JetStreamPublisher` against a real nats-server (`NATS_URL`, default
+//! nats://127.0.0.1:4222): events, dedupe, error mapping, job `created` events, job
+//! dispatchers and the stream check. Each test uses its own uniquely named stream.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::message::StreamMessage;
+use async_nats::jetstream::stream::Config;
+use serde_json::{Value, json};
+use trellis_outbox::{
+    JetStreamError, JetStreamErrorKind, JetStreamPublisher, JobAdmission, JobDispatcher, JobRef,
+    JobRequest, OutboxJob, OutboxMessage, OutboxTransactionExt, PreparedOutboxRecord, PublishError,
+    Publisher, StreamCheckError, format_timestamp, migrate, outbox_job,
+};
+use trellis_outbox_tests::TestSqlite;
+use trellis_outbox_tests::nats::{TestStream, jetstream};
+
+type Results = Vec<Result<Option<Value>, PublishError>>;
+
+async fn sqlite() -> TestSqlite {
+    let db = TestSqlite::new().await;
+    migrate(&db.pool).await.unwrap();
+    db
+}
+
+/// Enqueues `records` in one transaction and returns the stored rows.
+async fn enqueue(db: &TestSqlite, records: Vec<PreparedOutboxRecord>) -> Vec<OutboxMessage> {
+    let mut tx = db.pool.begin().await.unwrap();
+    let rows = tx.enqueue_all(records).await.unwrap();
+    tx.commit().await.unwrap();
+    rows
+}
+
+fn event(subject: String, n: usize) -> PreparedOutboxRecord {
+    let mut record = PreparedOutboxRecord::event(
+        "Orders.Placed",
+        subject,
+        &json!({ "orderId": format!("o-{n}"), "n": n }),
+    )
+    .unwrap();
+    record.headers.insert(
+        "traceparent".into(),
+        format!("00-{:032x}-{:016x}-01", n + 1, n + 1),
+    );
+    record
+}
+
+fn header<'a>(message: &'a StreamMessage, name: &str) -> Option<&'a str> {
+    message.headers.get(name).map(|v| v.as_str())
+}
+
+fn js_error(err: &PublishError) -> &JetStreamError {
+    err.source_error()
+        .downcast_ref::<JetStreamError>()
+        .unwrap_or_else(|| panic!("not a JetStreamError: {}", err.chain()))
+}
+
+fn assert_all_ok(results: &Results) {
+    for (i, result) in results.iter().enumerate() {
+        if let Err(e) = result {
+            panic!("row {i} failed: {}", e.chain());
+        }
+    }
+}
+
+#[tokio::test]
+async fn events_are_published_exactly_as_stored_and_republishing_dedupes() {
+    let js = jetstream().await;
+    let stream = TestStream::events(&js).await;
+    let s = stream.clone();
+    stream
+        .run(async move {
+            let db = sqlite().await;
+            const N: usize = 40;
+            let mut records: Vec<_> = (0..N)
+                .map(|n| event(s.subject("orders.placed"), n))
+                .collect();
+            // A stale dedupe id (any letter case) must not win over the row id.
+            records[3]
+                .headers
+                .insert("Nats-Msg-Id".into(), "stale".into());
+            records[4]
+                .headers
+                .insert("nats-msg-id".into(), "stale-lower".into());
+            let rows = enqueue(&db, records).await;
+
+            // A small window so the sliding window is exercised.
+            let publisher = JetStreamPublisher::builder(js.clone())
+                .ack_window(7)
+                .build();
+            let results = publisher.publish_batch(&rows).await;
+            assert_eq!(results.len(), N);
+            assert_all_ok(&results);
+            assert!(results.iter().all(|r| matches!(r, Ok(None))));
+
+            let messages = s.messages().await;
+            assert_eq!(messages.len(), N);
+            for (row, message) in rows.iter().zip(&messages) {
+                assert_eq!(message.subject.as_str(), row.subject);
+                assert_eq!(
+                    &message.payload[..],
+                    row.payload.as_bytes(),
+                    "body verbatim"
+                );
+                let body: Value = serde_json::from_slice(&message.payload).unwrap();
+                assert_eq!(body["orderId"], json!(format!("o-{}", body["n"])));
+                assert_eq!(header(message, "Nats-Msg-Id"), Some(row.id.as_str()));
+                assert_eq!(header(message, "nats-msg-id"), None);
+                assert_eq!(
+                    header(message, "Trellis-Event-Time"),
+                    Some(row.headers["Trellis-Event-Time"].as_str())
+                );
+                assert_eq!(
+                    header(message, "traceparent"),
+                    Some(row.headers["traceparent"].as_str())
+                );
+            }
+
+            // Republish (a dispatcher that crashed before marking): duplicate acks are success.
+            let again = publisher.publish_batch(&rows).await;
+            assert_all_ok(&again);
+            assert_eq!(
+                s.count().await,
+                N as u64,
+                "JetStream de-duplicated by Nats-Msg-Id"
+            );
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn subject_without_stream_is_retryable_and_the_rest_is_delivered() {
+    let js = jetstream().await;
+    let stream = TestStream::events(&js).await;
+    let s = stream.clone();
+    stream
+        .run(async move {
+            let db = sqlite().await;
+            let orphan = format!("{}x.nobody.listens", s.token); // no stream captures it
+            let rows = enqueue(
+                &db,
+                vec![
+                    event(s.subject("a"), 0),
+                    event(orphan.clone(), 1),
+                    event(s.subject("b"), 2),
+                ],
+            )
+            .await;
+            let results = JetStreamPublisher::new(js.clone())
+                .publish_batch(&rows)
+                .await;
+            assert!(results[0].is_ok() && results[2].is_ok());
+            let err = results[1].as_ref().unwrap_err();
+            assert!(err.is_retryable(), "{}", err.chain());
+            assert_eq!(js_error(err).kind(), JetStreamErrorKind::StreamNotFound);
+            assert_eq!(js_error(err).row_id(), rows[1].id);
+            let chain = err.chain();
+            assert!(
+                chain.contains(&format!("no JetStream stream captures subject `{orphan}`")),
+                "{chain}"
+            );
+            assert!(
+                chain.contains("no stream found for given subject"),
+                "{chain}"
+            );
+            assert_eq!(s.count().await, 2);
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn oversized_payload_is_permanent_and_the_rest_is_delivered() {
+    let js = jetstream().await;
+    let stream = TestStream::events(&js).await;
+    let s = stream.clone();
+    stream
+        .run(async move {
+            let db = sqlite().await;
+            let big = PreparedOutboxRecord::event(
+                "Blob.Stored",
+                s.subject("blob"),
+                &json!({ "data": "x".repeat(2 * 1024 * 1024) }),
+            )
+            .unwrap();
+            let rows = enqueue(
+                &db,
+                vec![event(s.subject("a"), 0), big, event(s.subject("b"), 1)],
+            )
+            .await;
+            let results = JetStreamPublisher::new(js.clone())
+                .publish_batch(&rows)
+                .await;
+            assert!(results[0].is_ok() && results[2].is_ok());
+            let err = results[1].as_ref().unwrap_err();
+            assert!(!err.is_retryable(), "{}", err.chain());
+            assert_eq!(js_error(err).kind(), JetStreamErrorKind::MaxPayloadExceeded);
+            let chain = err.chain();
+            assert!(chain.contains("is too large to publish"), "{chain}");
+            assert!(chain.contains("max payload size exceeded"), "{chain}");
+            assert!(chain.contains("Payload size limit of"), "{chain}");
+            assert_eq!(s.count().await, 2);
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn invalid_subject_is_permanent() {
+    let js = jetstream().await;
+    let db = sqlite().await;
+    let mut rows = enqueue(&db, vec![event("events.v1.Ok".into(), 0)]).await;
+    // Rows are validated at enqueue; a row edited in the database can still be broken.
+    rows[0].subject = "events..broken".into();
+    let results = JetStreamPublisher::new(js).publish_batch(&rows).await;
+    let err = results[0].as_ref().unwrap_err();
+    assert!(!err.is_retryable());
+    assert_eq!(js_error(err).kind(), JetStreamErrorKind::InvalidSubject);
+    assert!(
+        err.chain().contains("has an empty token"),
+        "{}",
+        err.chain()
+    );
+}
+
+#[tokio::test]
+async fn unanswered_publishes_time_out_retryably_and_together() {
+    let js = jetstream().await;
+    let db = sqlite().await;
+    // A core subscriber that never answers: the publish has a responder but no ack comes.
+    let token = format!("t{}", ulid::Ulid::generate().to_string().to_lowercase());
+    let subject = format!("{token}.silent");
+    let _silent = js.client().subscribe(subject.clone()).await.unwrap();
+    js.client().flush().await.unwrap();
+    let rows = enqueue(&db, (0..20).map(|n| event(subject.clone(), n)).collect()).await;
+
+    let publisher = JetStreamPublisher::builder(js.clone())
+        .ack_timeout(Duration::from_millis(300))
+        .build();
+    let start = Instant::now();
+    let results = publisher.publish_batch(&rows).await;
+    let elapsed = start.elapsed();
+    for result in &results {
+        let err = result.as_ref().unwrap_err();
+        assert!(err.is_retryable());
+        assert_eq!(js_error(err).kind(), JetStreamErrorKind::TimedOut);
+        assert!(
+            err.chain().contains("did not acknowledge"),
+            "{}",
+            err.chain()
+        );
+        assert!(err.chain().contains("within 300ms"), "{}", err.chain());
+    }
+    // Each ack's deadline runs from its own send, so 20 timeouts cost ~one timeout, not 20.
+    assert!(elapsed < Duration::from_secs(2), "took {elapsed:?}");
+}
+
+#[outbox_job(
+    queue = "syncCustomer",
+    service = "billing",
+    job_type = "sync-customer",
+    mode = "submit"
+)]
+#[derive(serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+struct SyncCustomer {
+    customer_id: String,
+    force: bool,
+}
+
+/// A job record exactly as `#[outbox_job]` writes it, moved to a service token unique to the
+/// test so its stream captures nothing of other tests.
+fn job_record(service: &str, n: usize) -> (PreparedOutboxRecord, String, String) {
+    let (mut record, submission) = SyncCustomer {
+        customer_id: format!("c-{n}"),
+        force: n.is_multiple_of(2),
+    }
+    .prepare_job()
+    .unwrap();
+    record.subject = format!(
+        "trellis.jobs.{service}.sync-customer.{}.created",
+        submission.job_id
+    );
+    (record, submission.job_id, submission.submission_id)
+}
+
+async fn jobs_stream(js: &async_nats::jetstream::Context) -> (TestStream, String) {
+    let stream = TestStream::create(js, |token| Config {
+        subjects: vec![format!("trellis.jobs.{token}.>")],
+        ..Config::default()
+    })
+    .await;
+    let service = stream.token.clone();
+    (stream, service)
+}
+
+#[tokio::test]
+async fn job_row_publishes_the_created_event_once() {
+    let js = jetstream().await;
+    let (stream, service) = jobs_stream(&js).await;
+    let s = stream.clone();
+    stream
+        .run(async move {
+            let db = sqlite().await;
+            let (mut record, job_id, submission_id) = job_record(&service, 0);
+            record
+                .headers
+                .insert("tracestate".into(), "vendor=abc".into());
+            let rows = enqueue(&db, vec![record]).await;
+            let row = &rows[0];
+
+            let publisher = JetStreamPublisher::builder(js.clone())
+                .queue_max_tries("syncCustomer", 9)
+                .build();
+            let results = publisher.publish_batch(&rows).await;
+            assert_all_ok(&results);
+
+            let messages = s.messages().await;
+            assert_eq!(messages.len(), 1);
+            let message = &messages[0];
+            assert_eq!(
+                message.subject.as_str(),
+                format!("trellis.jobs.{service}.sync-customer.{job_id}.created")
+            );
+            let traceparent = row.headers["traceparent"].clone();
+            assert_eq!(
+                header(message, "Nats-Msg-Id"),
+                Some(format!("trellis-job-created:{submission_id}").as_str())
+            );
+            assert_eq!(
+                header(message, "request-id"),
+                Some(row.headers["request-id"].as_str())
+            );
+            assert_eq!(header(message, "traceparent"), Some(traceparent.as_str()));
+            assert_eq!(header(message, "tracestate"), Some("vendor=abc"));
+            let body: Value = serde_json::from_slice(&message.payload).unwrap();
+            assert_eq!(
+                body,
+                json!({
+                    "jobId": job_id,
+                    "service": service,
+                    "jobType": "sync-customer",
+                    "eventType": "created",
+                    "state": "pending",
+                    "context": {
+                        "requestId": row.headers["request-id"],
+                        "traceId": &traceparent[3..35],
+                        "traceparent": traceparent,
+                        "tracestate": "vendor=abc",
+                    },
+                    "tries": 0,
+                    "maxTries": 9,
+                    "payload": { "customerId": "c-0", "force": true },
+                    "timestamp": format_timestamp(row.created_at),
+                })
+            );
+            // Key order of the wire body: the JobEvent field order, payload fields as stored.
+            let text = std::str::from_utf8(&message.payload).unwrap();
+            assert!(text.starts_with(r#"{"jobId":"#), "{text}");
+            assert!(
+                text.contains(r#""payload":{"customerId":"c-0","force":true}"#),
+                "{text}"
+            );
+
+            // Dispatching the row again (crash before mark) is deduplicated.
+            let again = publisher.publish_batch(&rows).await;
+            assert_all_ok(&again);
+            assert_eq!(s.count().await, 1);
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn malformed_job_row_is_permanent() {
+    let js = jetstream().await;
+    let db = sqlite().await;
+    let (record, _, _) = job_record("svc", 0);
+    let mut rows = enqueue(&db, vec![record]).await;
+    rows[0].payload = r#"{"customerId":"c-0"}"#.into();
+    let results = JetStreamPublisher::new(js).publish_batch(&rows).await;
+    let err = results[0].as_ref().unwrap_err();
+    assert!(!err.is_retryable());
+    assert_eq!(js_error(err).kind(), JetStreamErrorKind::MalformedJob);
+    assert!(
+        err.chain().contains("the payload has no `jobId`"),
+        "{}",
+        err.chain()
+    );
+}
+
+/// A jobs manager stand-in: records what it was asked and answers from the payload.
+#[derive(Default)]
+struct Manager {
+    seen: Mutex<Vec<JobRequest>>,
+}
+
+impl JobDispatcher for Manager {
+    async fn dispatch_job(&self, message: &OutboxMessage) -> Result<JobAdmission, PublishError> {
+        let job = JobRequest::from_message(message)?;
+        self.seen.lock().unwrap().push(job.clone());
+        if job.payload["force"] == json!(true) {
+            Ok(JobAdmission::Accepted {
+                job: JobRef::new(job.service, job.job_type, job.job_id),
+            })
+        } else {
+            Ok(JobAdmission::Rejected {
+                key: job.payload["customerId"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+                reason: "active-limit".into(),
+                active: 1,
+                queued: 0,
+                limit: 1,
+            })
+        }
+    }
+}
+
+#[tokio::test]
+async fn job_dispatcher_outcome_is_returned_and_events_still_publish() {
+    let js = jetstream().await;
+    let (stream, service) = jobs_stream(&js).await;
+    let events = TestStream::events(&js).await;
+    let (s, e) = (stream.clone(), events.clone());
+    stream
+        .run(async move {
+            let db = sqlite().await;
+            let (job0, job0_id, _) = job_record(&service, 0);
+            let (job1, _, _) = job_record(&service, 1);
+            let rows = enqueue(
+                &db,
+                vec![
+                    event(e.subject("a"), 0),
+                    job0,
+                    job1,
+                    event(e.subject("b"), 1),
+                ],
+            )
+            .await;
+
+            let manager = Arc::new(Manager::default());
+            let publisher = JetStreamPublisher::builder(js.clone())
+                .job_dispatcher(Arc::clone(&manager))
+                .build();
+            let results = publisher.publish_batch(&rows).await;
+            assert_all_ok(&results);
+            assert!(matches!(results[0], Ok(None)) && matches!(results[3], Ok(None)));
+            assert_eq!(
+                results[1].as_ref().unwrap(),
+                &Some(json!({
+                    "kind": "accepted",
+                    "ref": { "service": service, "jobType": "sync-customer", "id": job0_id },
+                }))
+            );
+            assert_eq!(
+                results[2].as_ref().unwrap(),
+                &Some(json!({
+                    "kind": "rejected", "key": "c-1", "reason": "active-limit",
+                    "active": 1, "queued": 0, "limit": 1,
+                }))
+            );
+            let seen = manager.seen.lock().unwrap().clone();
+            assert_eq!(seen.len(), 2);
+            assert_eq!(seen[0].submission_id, rows[1].id);
+            assert_eq!(seen[0].queue, "syncCustomer");
+            assert_eq!(
+                seen[1].payload,
+                json!({ "customerId": "c-1", "force": false })
+            );
+            // The dispatcher admitted the jobs: the publisher itself published no job event.
+            assert_eq!(s.count().await, 0);
+            assert_eq!(e.count().await, 2);
+        })
+        .await;
+    events.delete().await;
+}
+
+#[tokio::test]
+async fn no_job_dispatch_fails_job_rows_retryably() {
+    let js = jetstream().await;
+    let (stream, service) = jobs_stream(&js).await;
+    let s = stream.clone();
+    stream
+        .run(async move {
+            let db = sqlite().await;
+            let (job, _, _) = job_record(&service, 0);
+            let rows = enqueue(&db, vec![job]).await;
+            let publisher = JetStreamPublisher::builder(js.clone())
+                .no_job_dispatch()
+                .build();
+            let results = publisher.publish_batch(&rows).await;
+            let err = results[0].as_ref().unwrap_err();
+            assert!(err.is_retryable());
+            assert_eq!(js_error(err).kind(), JetStreamErrorKind::NoJobDispatch);
+            assert!(
+                err.chain().contains("no job dispatcher is configured"),
+                "{}",
+                err.chain()
+            );
+            assert!(err.chain().contains("job.submit"), "{}", err.chain());
+            assert_eq!(s.count().await, 0);
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn check_streams_finds_missing_streams_and_short_duplicate_windows() {
+    let js = jetstream().await;
+    let stream = TestStream::create(&js, |token| Config {
+        subjects: vec![format!("{token}.>")],
+        duplicate_window: Duration::from_secs(2),
+        ..Config::default()
+    })
+    .await;
+    let s = stream.clone();
+    stream
+        .run(async move {
+            let publisher = JetStreamPublisher::new(js.clone());
+            let captured = s.subject("orders.placed");
+
+            let checks = publisher
+                .check_streams([&captured], Duration::from_secs(60))
+                .await
+                .unwrap();
+            assert_eq!(checks.len(), 1);
+            assert_eq!(checks[0].stream, s.name);
+            assert_eq!(checks[0].duplicate_window, Duration::from_secs(2));
+            assert!(
+                !checks[0].covers_retry_gap,
+                "a 2 s window does not cover a 60 s gap"
+            );
+
+            let checks = publisher
+                .check_streams([&captured], Duration::from_secs(1))
+                .await
+                .unwrap();
+            assert!(checks[0].covers_retry_gap);
+
+            let missing = format!("{}x.orders.placed", s.token);
+            let err = publisher
+                .check_streams([captured.clone(), missing.clone()], Duration::from_secs(1))
+                .await
+                .unwrap_err();
+            match &err {
+                StreamCheckError::NoStream { subjects } => {
+                    assert_eq!(subjects, &vec![missing.clone()])
+                }
+                other => panic!("unexpected {other}"),
+            }
+            assert!(
+                err.to_string()
+                    .contains(&format!("no JetStream stream captures `{missing}`"))
+            );
+        })
+        .await;
+}
+
+/// Not a correctness test: publish throughput of one 10,000-row batch through the publisher
+/// vs awaiting each ack. Run with `cargo test --release --test jetstream -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "measurement; run explicitly"]
+async fn measure_batch_vs_one_at_a_time() {
+    let js = jetstream().await;
+    let stream = TestStream::events(&js).await;
+    let s = stream.clone();
+    stream
+        .run(async move {
+            let db = sqlite().await;
+            const N: usize = 10_000;
+            let mut rows = Vec::with_capacity(N);
+            for chunk in (0..N).collect::<Vec<_>>().chunks(1000) {
+                let records = chunk
+                    .iter()
+                    .map(|&n| event(s.subject("bench"), n))
+                    .collect();
+                rows.extend(enqueue(&db, records).await);
+            }
+            // Fresh ids per run: the same ids would be de-duplicated by the stream.
+            let fresh = |rows: &[OutboxMessage]| -> Vec<OutboxMessage> {
+                rows.iter()
+                    .cloned()
+                    .map(|mut row| {
+                        row.id = trellis_outbox::new_id();
+                        row
+                    })
+                    .collect()
+            };
+            for window in [256, 1024] {
+                let publisher = JetStreamPublisher::builder(js.clone())
+                    .ack_window(window)
+                    .build();
+                let batch = fresh(&rows);
+                let before = s.count().await;
+                let start = Instant::now();
+                let results = publisher.publish_batch(&batch).await;
+                let elapsed = start.elapsed();
+                assert_all_ok(&results);
+                assert_eq!(s.count().await, before + N as u64);
+                println!(
+                    "MEASURE batch window={window} rows={N} secs={:.3} msg_per_s={:.0}",
+                    elapsed.as_secs_f64(),
+                    N as f64 / elapsed.as_secs_f64()
+                );
+            }
+            // Baseline: the same rows through async-nats directly (same headers, window 256).
+            let batch = fresh(&rows);
+            let start = Instant::now();
+            let mut pending = std::collections::VecDeque::with_capacity(256);
+            for row in &batch {
+                if pending.len() >= 256 {
+                    let ack: async_nats::jetstream::context::PublishAckFuture =
+                        pending.pop_front().unwrap();
+                    ack.await.unwrap();
+                }
+                let publish = async_nats::jetstream::message::PublishMessage::build()
+                    .payload(row.payload.clone().into())
+                    .headers(row.publish_headers());
+                pending.push_back(js.send_publish(row.subject.clone(), publish).await.unwrap());
+            }
+            for ack in pending {
+                ack.await.unwrap();
+            }
+            let elapsed = start.elapsed();
+            println!(
+                "MEASURE raw_async_nats window=256 rows={N} secs={:.3} msg_per_s={:.0}",
+                elapsed.as_secs_f64(),
+                N as f64 / elapsed.as_secs_f64()
+            );
+            let single = fresh(&rows[..2_000]);
+            let publisher = JetStreamPublisher::builder(js.clone())
+                .ack_window(1)
+                .build();
+            let start = Instant::now();
+            for row in &single {
+                let results = publisher.publish_batch(std::slice::from_ref(row)).await;
+                assert_all_ok(&results);
+            }
+            let elapsed = start.elapsed();
+            println!(
+                "MEASURE one_at_a_time rows={} secs={:.3} msg_per_s={:.0}",
+                single.len(),
+                elapsed.as_secs_f64(),
+                single.len() as f64 / elapsed.as_secs_f64()
+            );
+        })
+        .await;
+}
+
+#[test]
+fn headers_overlay_the_row_id() {
+    // Pure: no server needed.
+    let mut record = PreparedOutboxRecord::event("A.B", "events.v1.A.B", &1).unwrap();
+    record.headers.insert("NATS-MSG-ID".into(), "stale".into());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let db = sqlite().await;
+        let rows = enqueue(&db, vec![record]).await;
+        let headers = rows[0].publish_headers();
+        assert_eq!(
+            headers.get("Nats-Msg-Id").map(|v| v.as_str()),
+            Some(rows[0].id.as_str())
+        );
+        assert!(headers.get("NATS-MSG-ID").is_none());
+        assert!(headers.get("Trellis-Event-Time").is_some());
+    });
+}
