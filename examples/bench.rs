@@ -1,7 +1,7 @@
 //! Benchmarks: trellis-outbox against raw baselines measured side by side in the same run.
 //!
 //! ```text
-//! cargo run --release --example bench -- enqueue [--quick]
+//! cargo run --release --example bench -- [enqueue|dispatch] [--quick]
 //! ```
 //!
 //! Each comparison alternates rounds of the baseline and of trellis-outbox on the same
@@ -374,6 +374,218 @@ async fn bench_enqueue(quick: bool) -> Result<(), BoxError> {
     Ok(())
 }
 
+/// Loads `rows` pending rows (untimed) with `enqueue_all` in chunks, then refreshes the
+/// planner's statistics so neither side runs on a plan made for an empty backlog.
+async fn load<DB: trellis_outbox::OutboxDatabase>(
+    pool: &Pool<DB>,
+    rows: u64,
+) -> Result<(), BoxError>
+where
+    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
+{
+    let mut n = 0;
+    while n < rows {
+        let take = (rows - n).min(1_000);
+        ours_many(pool, n, take as usize).await?;
+        n += take;
+    }
+    sqlx::raw_sql("ANALYZE trellis_outbox")
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+/// The hand-written Postgres relay loop the issue names as the baseline: in one transaction,
+/// claim 100 with `FOR UPDATE SKIP LOCKED`, "publish", one `UPDATE … = ANY($1)`.
+async fn raw_drain_pg(pool: &Pool<Postgres>, publisher: &Recorder) -> Result<u64, BoxError> {
+    let mut total = 0;
+    loop {
+        let mut tx = pool.begin().await?;
+        let rows: Vec<(String, String, String, Json<serde_json::Value>)> = sqlx::query_as(
+            "SELECT id, subject, payload, headers FROM trellis_outbox \
+             WHERE state IN ('pending', 'failed') AND (next_attempt_at IS NULL OR next_attempt_at <= now()) \
+             ORDER BY created_at, id LIMIT 100 FOR UPDATE SKIP LOCKED",
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        if rows.is_empty() {
+            tx.commit().await?;
+            return Ok(total);
+        }
+        let ids: Vec<String> = rows.into_iter().map(|(id, ..)| id).collect();
+        publisher.record(&ids);
+        sqlx::query(
+            "UPDATE trellis_outbox SET state = 'dispatched', updated_at = now() WHERE id = ANY($1)",
+        )
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        total += ids.len() as u64;
+    }
+}
+
+/// The same loop on SQLite: `BEGIN IMMEDIATE`, select 100, "publish", one UPDATE.
+async fn raw_drain_sqlite(pool: &Pool<Sqlite>, publisher: &Recorder) -> Result<u64, BoxError> {
+    let mut total = 0;
+    loop {
+        let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+        let rows: Vec<(String, String, String, String)> = sqlx::query_as(
+            "SELECT id, subject, payload, headers FROM trellis_outbox INDEXED BY trellis_outbox_claim_idx \
+             WHERE state IN ('pending', 'failed') AND (next_attempt_at IS NULL OR next_attempt_at <= strftime('%Y-%m-%dT%H:%M:%fZ', 'now')) \
+             ORDER BY created_at, id LIMIT 100",
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        if rows.is_empty() {
+            tx.commit().await?;
+            return Ok(total);
+        }
+        let ids: Vec<String> = rows.into_iter().map(|(id, ..)| id).collect();
+        publisher.record(&ids);
+        sqlx::query("UPDATE trellis_outbox SET state = 'dispatched', updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') WHERE id IN (SELECT value FROM json_each(?))")
+            .bind(serde_json::to_string(&ids)?)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        total += ids.len() as u64;
+    }
+}
+
+/// An in-memory publisher that acknowledges everything and counts what it saw.
+#[derive(Default)]
+struct Recorder {
+    seen: std::sync::atomic::AtomicU64,
+}
+
+impl Recorder {
+    fn record(&self, ids: &[String]) {
+        self.seen
+            .fetch_add(ids.len() as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl trellis_outbox::Publisher for Recorder {
+    async fn publish_batch(
+        &self,
+        messages: &[trellis_outbox::OutboxMessage],
+    ) -> Vec<Result<Option<serde_json::Value>, trellis_outbox::PublishError>> {
+        self.seen
+            .fetch_add(messages.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        messages.iter().map(|_| Ok(None)).collect()
+    }
+}
+
+/// Alternates (load, baseline drain) and (load, trellis-outbox drain) rounds; rows/s medians.
+async fn compare_drains<DB, B, O, FB, FO>(
+    pool: &Pool<DB>,
+    rounds: usize,
+    rows: u64,
+    mut baseline: B,
+    mut ours: O,
+) -> Result<Outcome, BoxError>
+where
+    DB: trellis_outbox::OutboxDatabase,
+    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    B: FnMut() -> FB,
+    O: FnMut() -> FO,
+    FB: Future<Output = Result<u64, BoxError>>,
+    FO: Future<Output = Result<u64, BoxError>>,
+{
+    let (mut base_rates, mut our_rates) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        for side in [round % 2, 1 - round % 2] {
+            load(pool, rows).await?;
+            let start = Instant::now();
+            let drained = if side == 0 {
+                baseline().await?
+            } else {
+                ours().await?
+            };
+            let rate = drained as f64 / start.elapsed().as_secs_f64();
+            if drained != rows {
+                return Err(format!("drained {drained} rows, loaded {rows}").into());
+            }
+            if side == 0 {
+                base_rates.push(rate)
+            } else {
+                our_rates.push(rate)
+            }
+        }
+    }
+    let ratios = our_rates
+        .iter()
+        .zip(&base_rates)
+        .map(|(o, b)| o / b)
+        .collect();
+    Ok(Outcome {
+        baseline: median(base_rates),
+        ours: median(our_rates),
+        ratio: median(ratios),
+    })
+}
+
+/// trellis-outbox's one-shot drain with the same batch size (100).
+async fn drain_ours<R: trellis_outbox::OutboxRepository>(
+    repo: &R,
+    publisher: &Recorder,
+) -> Result<u64, BoxError> {
+    let report = trellis_outbox::dispatch_outbox(
+        repo,
+        publisher,
+        trellis_outbox::DispatchOptions::default(),
+    )
+    .await?;
+    Ok(report.dispatched)
+}
+
+async fn bench_dispatch(quick: bool) -> Result<(), BoxError> {
+    let (rounds, rows) = if quick { (3, 5_000) } else { (7, 20_000) };
+    let pg = TestPg::new().await;
+    trellis_outbox::migrate(&pg.pool).await?;
+    let sqlite_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-sqlite");
+    let _ = std::fs::remove_dir_all(&sqlite_dir);
+    std::fs::create_dir_all(&sqlite_dir)?;
+    let sqlite = sqlite_pool(&sqlite_dir.join("dispatch.db"), 2).await;
+    trellis_outbox::migrate(&sqlite).await?;
+    let recorder = Recorder::default();
+
+    println!(
+        "dispatch: {rounds} rounds of {rows} rows, claim -> publish (in memory) -> mark, median rows/s"
+    );
+    let pg_repo = trellis_outbox::PgOutboxRepository::new(pg.pool.clone());
+    report(
+        "dispatch_pg",
+        "SKIP LOCKED claim + UPDATE ANY  vs  dispatch_outbox",
+        compare_drains(
+            &pg.pool,
+            rounds,
+            rows,
+            || raw_drain_pg(&pg.pool, &recorder),
+            || drain_ours(&pg_repo, &recorder),
+        )
+        .await?,
+        ">= 0.8",
+    );
+    let sqlite_repo = trellis_outbox::SqliteOutboxRepository::new(sqlite.clone());
+    report(
+        "dispatch_sqlite",
+        "BEGIN IMMEDIATE claim + UPDATE  vs  dispatch_outbox",
+        compare_drains(
+            &sqlite,
+            rounds,
+            rows,
+            || raw_drain_sqlite(&sqlite, &recorder),
+            || drain_ours(&sqlite_repo, &recorder),
+        )
+        .await?,
+        ">= 0.8",
+    );
+    sqlite.close().await;
+    pg.close().await;
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -385,9 +597,14 @@ async fn main() -> Result<(), BoxError> {
         .collect();
     let started = Instant::now();
     match which.as_slice() {
-        [] | ["enqueue"] => bench_enqueue(quick).await?,
+        ["enqueue"] => bench_enqueue(quick).await?,
+        ["dispatch"] => bench_dispatch(quick).await?,
+        [] => {
+            bench_enqueue(quick).await?;
+            bench_dispatch(quick).await?;
+        }
         other => {
-            eprintln!("unknown benchmark {other:?}; available: enqueue");
+            eprintln!("unknown benchmark {other:?}; available: enqueue, dispatch");
             std::process::exit(2);
         }
     }

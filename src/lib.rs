@@ -4,6 +4,9 @@
 //! `NATS_URL` (default `nats://127.0.0.1:4222`). A service that cannot be reached fails the
 //! test with a message saying how to start it: nothing silently passes.
 
+pub mod nats;
+pub mod publisher;
+
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;

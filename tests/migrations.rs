@@ -65,8 +65,12 @@ fn v2_is_pinned_and_additive() {
         assert_eq!(v2.id, format!("trellis_sql_outbox_inbox_{dialect}_v2"));
         assert_eq!(v2.version, 2);
         assert_eq!(v2.checksum, checksum, "{dialect}");
-        assert!(v2.up.iter().all(|s| s.starts_with("ALTER TABLE trellis_outbox ADD COLUMN")
-            || s.starts_with("CREATE INDEX IF NOT EXISTS")));
+        assert!(
+            v2.up
+                .iter()
+                .all(|s| s.starts_with("ALTER TABLE trellis_outbox ADD COLUMN")
+                    || s.starts_with("CREATE INDEX IF NOT EXISTS"))
+        );
     }
 }
 
@@ -186,7 +190,10 @@ async fn pg_migrate_twice_is_a_no_op() {
     let first = migrate(&db.pool).await.unwrap();
     assert_eq!(
         first.applied,
-        ["trellis_sql_outbox_inbox_postgres_v1", "trellis_sql_outbox_inbox_postgres_v2"]
+        [
+            "trellis_sql_outbox_inbox_postgres_v1",
+            "trellis_sql_outbox_inbox_postgres_v2"
+        ]
     );
     assert!(first.already_applied.is_empty());
     for table in [
@@ -201,7 +208,10 @@ async fn pg_migrate_twice_is_a_no_op() {
     assert!(second.applied.is_empty());
     assert_eq!(
         second.already_applied,
-        ["trellis_sql_outbox_inbox_postgres_v1", "trellis_sql_outbox_inbox_postgres_v2"]
+        [
+            "trellis_sql_outbox_inbox_postgres_v1",
+            "trellis_sql_outbox_inbox_postgres_v2"
+        ]
     );
     let (id, checksum): (String, String) = sqlx::query_as(
         "SELECT id, checksum FROM trellis_outbox_migrations WHERE outbox_table = 'trellis_outbox' AND version = 1",
@@ -220,7 +230,10 @@ async fn sqlite_migrate_twice_is_a_no_op() {
     let first = migrate(&db.pool).await.unwrap();
     assert_eq!(
         first.applied,
-        ["trellis_sql_outbox_inbox_sqlite_v1", "trellis_sql_outbox_inbox_sqlite_v2"]
+        [
+            "trellis_sql_outbox_inbox_sqlite_v1",
+            "trellis_sql_outbox_inbox_sqlite_v2"
+        ]
     );
     for table in [
         "trellis_outbox",
@@ -237,7 +250,10 @@ async fn sqlite_migrate_twice_is_a_no_op() {
     assert!(second.applied.is_empty());
     assert_eq!(
         second.already_applied,
-        ["trellis_sql_outbox_inbox_sqlite_v1", "trellis_sql_outbox_inbox_sqlite_v2"]
+        [
+            "trellis_sql_outbox_inbox_sqlite_v1",
+            "trellis_sql_outbox_inbox_sqlite_v2"
+        ]
     );
 }
 
@@ -341,7 +357,10 @@ async fn sqlite_adopts_a_table_created_by_trellis_ts() {
     let report = migrate(&db.pool).await.unwrap();
     assert_eq!(
         report.applied,
-        ["trellis_sql_outbox_inbox_sqlite_v1", "trellis_sql_outbox_inbox_sqlite_v2"]
+        [
+            "trellis_sql_outbox_inbox_sqlite_v1",
+            "trellis_sql_outbox_inbox_sqlite_v2"
+        ]
     );
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox")
         .fetch_one(&db.pool)

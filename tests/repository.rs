@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use serde_json::json;
 use trellis_outbox::{
-    migrate, Dispatched, OutboxRepository, OutboxTransactionExt, PgOutboxRepository,
-    PreparedOutboxRecord, SqliteOutboxRepository,
+    Dispatched, OutboxRepository, OutboxTransactionExt, PgOutboxRepository, PreparedOutboxRecord,
+    SqliteOutboxRepository, migrate,
 };
 use trellis_outbox_tests::{TestPg, TestSqlite};
 
@@ -57,8 +57,13 @@ impl Db for TestSqlite {
             .execute(&self.pool).await.unwrap();
     }
     async fn row(&self, id: &str) -> (String, i64, Option<String>, Option<String>) {
-        sqlx::query_as("SELECT state, attempts, last_error, outcome FROM trellis_outbox WHERE id = ?")
-            .bind(id).fetch_one(&self.pool).await.unwrap()
+        sqlx::query_as(
+            "SELECT state, attempts, last_error, outcome FROM trellis_outbox WHERE id = ?",
+        )
+        .bind(id)
+        .fetch_one(&self.pool)
+        .await
+        .unwrap()
     }
     async fn enqueue(&self, records: &[PreparedOutboxRecord]) {
         let mut tx = self.pool.begin().await.unwrap();
@@ -76,15 +81,36 @@ fn records(n: usize) -> Vec<PreparedOutboxRecord> {
 async fn claims_in_order_and_holds_the_lease(db: &impl Db) {
     let repo = db.repo();
     // Two rows created in the same millisecond with ids out of insertion order, one older.
-    db.insert_raw("b-same-ms", "event.publish", "{}", "2026-01-01T00:00:00.000Z").await;
-    db.insert_raw("a-same-ms", "event.publish", "{}", "2026-01-01T00:00:00.000Z").await;
-    db.insert_raw("z-oldest", "event.publish", "{}", "2025-12-31T23:59:59.999Z").await;
+    db.insert_raw(
+        "b-same-ms",
+        "event.publish",
+        "{}",
+        "2026-01-01T00:00:00.000Z",
+    )
+    .await;
+    db.insert_raw(
+        "a-same-ms",
+        "event.publish",
+        "{}",
+        "2026-01-01T00:00:00.000Z",
+    )
+    .await;
+    db.insert_raw(
+        "z-oldest",
+        "event.publish",
+        "{}",
+        "2025-12-31T23:59:59.999Z",
+    )
+    .await;
     let fresh = records(3);
     db.enqueue(&fresh).await;
 
     let claim = repo.claim_due(4, LEASE, None).await.unwrap();
     let ids: Vec<&str> = claim.messages.iter().map(|m| m.id.as_str()).collect();
-    assert_eq!(ids, ["z-oldest", "a-same-ms", "b-same-ms", fresh[0].id.as_str()]);
+    assert_eq!(
+        ids,
+        ["z-oldest", "a-same-ms", "b-same-ms", fresh[0].id.as_str()]
+    );
     assert!(claim.poisoned.is_empty());
 
     // Leased rows are not claimed again; the rest are.
@@ -95,10 +121,17 @@ async fn claims_in_order_and_holds_the_lease(db: &impl Db) {
     assert!(repo.claim_due(10, LEASE, None).await.unwrap().is_empty());
 
     // Dispatched rows are never claimed again, even after the lease would have expired.
-    let done: Vec<Dispatched> = claim.messages.iter().map(|m| Dispatched::new(&m.id)).collect();
+    let done: Vec<Dispatched> = claim
+        .messages
+        .iter()
+        .map(|m| Dispatched::new(&m.id))
+        .collect();
     assert_eq!(repo.mark_dispatched(&claim, &done).await.unwrap(), 4);
     let (state, attempts, last_error, outcome) = db.row("z-oldest").await;
-    assert_eq!((state.as_str(), attempts, last_error, outcome), ("dispatched", 0, None, None));
+    assert_eq!(
+        (state.as_str(), attempts, last_error, outcome),
+        ("dispatched", 0, None, None)
+    );
 }
 
 async fn expired_lease_is_reclaimed_and_stale_token_is_fenced(db: &impl Db) {
@@ -106,28 +139,59 @@ async fn expired_lease_is_reclaimed_and_stale_token_is_fenced(db: &impl Db) {
     let rec = records(1);
     db.enqueue(&rec).await;
     let id = rec[0].id.as_str();
-    let stale = repo.claim_due(10, Duration::from_millis(300), None).await.unwrap();
+    let stale = repo
+        .claim_due(10, Duration::from_millis(300), None)
+        .await
+        .unwrap();
     assert_eq!(stale.messages.len(), 1);
     assert!(repo.claim_due(10, LEASE, None).await.unwrap().is_empty());
-    assert_eq!(repo.next_due_in().await.unwrap().map(|d| d <= Duration::from_millis(300)), Some(true));
+    assert_eq!(
+        repo.next_due_in()
+            .await
+            .unwrap()
+            .map(|d| d <= Duration::from_millis(300)),
+        Some(true)
+    );
 
     tokio::time::sleep(Duration::from_millis(400)).await;
     let fresh = repo.claim_due(10, LEASE, None).await.unwrap();
-    assert_eq!(fresh.messages.len(), 1, "an expired lease makes the row claimable again");
+    assert_eq!(
+        fresh.messages.len(),
+        1,
+        "an expired lease makes the row claimable again"
+    );
     assert_eq!(fresh.messages[0].id, id);
 
     // The dispatcher that lost its lease cannot mark the row any more.
-    assert_eq!(repo.mark_dispatched(&stale, &[Dispatched::new(id)]).await.unwrap(), 0);
-    assert!(!repo.mark_failed(&stale, id, "late", Duration::from_secs(1)).await.unwrap());
+    assert_eq!(
+        repo.mark_dispatched(&stale, &[Dispatched::new(id)])
+            .await
+            .unwrap(),
+        0
+    );
+    assert!(
+        !repo
+            .mark_failed(&stale, id, "late", Duration::from_secs(1))
+            .await
+            .unwrap()
+    );
     assert!(!repo.mark_dead(&stale, id, "late", true).await.unwrap());
     assert_eq!(repo.release(&stale, &[id]).await.unwrap(), 0);
     assert_eq!(db.row(id).await.0, "pending");
 
     let outcome = json!({ "kind": "accepted", "ref": { "id": "job-1" } });
-    assert_eq!(repo.mark_dispatched(&fresh, &[Dispatched::with_outcome(id, outcome.clone())]).await.unwrap(), 1);
+    assert_eq!(
+        repo.mark_dispatched(&fresh, &[Dispatched::with_outcome(id, outcome.clone())])
+            .await
+            .unwrap(),
+        1
+    );
     let (state, _, _, stored) = db.row(id).await;
     assert_eq!(state, "dispatched");
-    assert_eq!(serde_json::from_str::<serde_json::Value>(&stored.unwrap()).unwrap(), outcome);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&stored.unwrap()).unwrap(),
+        outcome
+    );
     assert_eq!(repo.next_due_in().await.unwrap(), None);
 }
 
@@ -137,20 +201,38 @@ async fn failed_rows_wait_for_their_retry_time(db: &impl Db) {
     db.enqueue(&rec).await;
     let id = rec[0].id.as_str();
     let claim = repo.claim_due(10, LEASE, None).await.unwrap();
-    assert!(repo.mark_failed(&claim, id, "nats: timed out: no ack within 5s", Duration::from_millis(500)).await.unwrap());
+    assert!(
+        repo.mark_failed(
+            &claim,
+            id,
+            "nats: timed out: no ack within 5s",
+            Duration::from_millis(500)
+        )
+        .await
+        .unwrap()
+    );
     let (state, attempts, last_error, _) = db.row(id).await;
     assert_eq!((state.as_str(), attempts), ("failed", 1));
-    assert_eq!(last_error.as_deref(), Some("nats: timed out: no ack within 5s"));
+    assert_eq!(
+        last_error.as_deref(),
+        Some("nats: timed out: no ack within 5s")
+    );
 
     let due_in = repo.next_due_in().await.unwrap().unwrap();
-    assert!(due_in > Duration::from_millis(200) && due_in <= Duration::from_millis(500), "{due_in:?}");
+    assert!(
+        due_in > Duration::from_millis(200) && due_in <= Duration::from_millis(500),
+        "{due_in:?}"
+    );
     assert!(repo.claim_due(10, LEASE, None).await.unwrap().is_empty());
 
     tokio::time::sleep(Duration::from_millis(600)).await;
     let again = repo.claim_due(10, LEASE, None).await.unwrap();
     assert_eq!(again.messages.len(), 1);
     assert_eq!(again.messages[0].attempts, 1);
-    assert_eq!(again.messages[0].last_error.as_deref(), Some("nats: timed out: no ack within 5s"));
+    assert_eq!(
+        again.messages[0].last_error.as_deref(),
+        Some("nats: timed out: no ack within 5s")
+    );
 }
 
 async fn a_drain_wave_does_not_retry_its_own_failures(db: &impl Db) {
@@ -158,7 +240,11 @@ async fn a_drain_wave_does_not_retry_its_own_failures(db: &impl Db) {
     let rec = records(2);
     db.enqueue(&rec).await;
     let first = repo.claim_due(1, LEASE, None).await.unwrap();
-    assert!(repo.mark_failed(&first, &rec[0].id, "boom", Duration::from_millis(1)).await.unwrap());
+    assert!(
+        repo.mark_failed(&first, &rec[0].id, "boom", Duration::from_millis(1))
+            .await
+            .unwrap()
+    );
     tokio::time::sleep(Duration::from_millis(20)).await;
     // Same wave: the cutoff of the first claim excludes the row that failed after it.
     let second = repo.claim_due(10, LEASE, Some(first.cutoff)).await.unwrap();
@@ -172,35 +258,79 @@ async fn a_drain_wave_does_not_retry_its_own_failures(db: &impl Db) {
 
 async fn poison_rows_are_reported_not_fatal(db: &impl Db, bad_headers: &str) {
     let repo = db.repo();
-    db.insert_raw("poison-kind", "event.bogus", "{}", "2026-01-01T00:00:00.000Z").await;
-    db.insert_raw("poison-headers", "event.publish", bad_headers, "2026-01-01T00:00:00.001Z").await;
+    db.insert_raw(
+        "poison-kind",
+        "event.bogus",
+        "{}",
+        "2026-01-01T00:00:00.000Z",
+    )
+    .await;
+    db.insert_raw(
+        "poison-headers",
+        "event.publish",
+        bad_headers,
+        "2026-01-01T00:00:00.001Z",
+    )
+    .await;
     let good = records(2);
     db.enqueue(&good).await;
 
     let claim = repo.claim_due(10, LEASE, None).await.unwrap();
-    assert_eq!(claim.messages.len(), 2, "the rows behind the poison are claimed");
+    assert_eq!(
+        claim.messages.len(),
+        2,
+        "the rows behind the poison are claimed"
+    );
     assert_eq!(claim.poisoned.len(), 2);
-    let kind = claim.poisoned.iter().find(|p| p.id == "poison-kind").unwrap();
-    assert!(kind.reason.contains("kind") && kind.reason.contains("event.bogus"), "{}", kind.reason);
-    let headers = claim.poisoned.iter().find(|p| p.id == "poison-headers").unwrap();
+    let kind = claim
+        .poisoned
+        .iter()
+        .find(|p| p.id == "poison-kind")
+        .unwrap();
+    assert!(
+        kind.reason.contains("kind") && kind.reason.contains("event.bogus"),
+        "{}",
+        kind.reason
+    );
+    let headers = claim
+        .poisoned
+        .iter()
+        .find(|p| p.id == "poison-headers")
+        .unwrap();
     assert!(headers.reason.contains("headers"), "{}", headers.reason);
 
     for poison in &claim.poisoned {
-        assert!(repo.mark_dead(&claim, &poison.id, &poison.reason, false).await.unwrap());
+        assert!(
+            repo.mark_dead(&claim, &poison.id, &poison.reason, false)
+                .await
+                .unwrap()
+        );
     }
     let (state, attempts, last_error, _) = db.row("poison-kind").await;
     assert_eq!((state.as_str(), attempts), ("dead", 0));
     assert!(last_error.unwrap().contains("event.bogus"));
     // Dead rows are not claimed, and not due.
-    let done: Vec<Dispatched> = claim.messages.iter().map(|m| Dispatched::new(&m.id)).collect();
+    let done: Vec<Dispatched> = claim
+        .messages
+        .iter()
+        .map(|m| Dispatched::new(&m.id))
+        .collect();
     repo.mark_dispatched(&claim, &done).await.unwrap();
-    assert!(repo.claim_due(10, Duration::ZERO, None).await.unwrap().is_empty());
+    assert!(
+        repo.claim_due(10, Duration::ZERO, None)
+            .await
+            .unwrap()
+            .is_empty()
+    );
     assert_eq!(repo.next_due_in().await.unwrap(), None);
 
     // An operator's retry brings a dead row back.
     assert!(repo.retry("poison-kind").await.unwrap());
     assert_eq!(db.row("poison-kind").await.0, "pending");
-    assert!(!repo.retry("poison-kind").await.unwrap(), "only failed or dead rows");
+    assert!(
+        !repo.retry("poison-kind").await.unwrap(),
+        "only failed or dead rows"
+    );
     assert!(!repo.retry("no-such-row").await.unwrap());
 }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde_json::json;
 use trellis_outbox::{
-    migrate, OutboxTables, OutboxTransactionExt, PgWakeups, PreparedOutboxRecord,
+    OutboxTables, OutboxTransactionExt, PgWakeups, PreparedOutboxRecord, migrate,
 };
 use trellis_outbox_tests::TestPg;
 
@@ -80,7 +80,9 @@ async fn enqueue_wakes_listeners_only_on_commit() {
     count.stays(1).await;
 
     let mut tx = db.pool.begin().await.unwrap();
-    tx.enqueue_all([record(), record(), record()]).await.unwrap();
+    tx.enqueue_all([record(), record(), record()])
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     assert_eq!(count.above(1).await, 2);
 
@@ -101,7 +103,10 @@ async fn listener_relistens_and_rescans_after_its_connection_is_terminated() {
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    assert_eq!(terminated, 1, "the listener's connection was found and terminated");
+    assert_eq!(
+        terminated, 1,
+        "the listener's connection was found and terminated"
+    );
 
     // The listener notices, re-LISTENs, and wakes once to re-scan.
     let rescan = count.above(0).await;

@@ -184,6 +184,11 @@ impl Error {
         }
     }
 
+    /// Maps a driver error during a dispatch `operation` to [`Error::Repository`].
+    pub(crate) fn repository(operation: &'static str) -> impl Fn(sqlx::Error) -> Self {
+        move |source| Error::Repository { operation, source }
+    }
+
     pub(crate) fn decode(id: &str, column: &'static str, problem: impl ToString) -> Self {
         Error::Decode {
             id: id.to_owned(),

@@ -47,7 +47,7 @@
 //! |------------|---------|-----------------|
 //! | `postgres` | yes     | [`sqlx::Postgres`] as an [`OutboxDatabase`] |
 //! | `sqlite`   | yes     | [`sqlx::Sqlite`] as an [`OutboxDatabase`] |
-//! | `nats`     | yes     | NATS helpers ([`OutboxMessage::nats_headers`]) |
+//! | `nats`     | yes     | [`JetStreamPublisher`], job dispatch ([`JobDispatcher`]), NATS header helpers |
 //! | `macros`   | yes     | `#[derive(OutboxEvent)]` and `#[outbox_job]` |
 //! | `cli`      | no      | the `trellis-outbox` command-line tool |
 
@@ -80,19 +80,28 @@ mod subject;
 mod tables;
 mod time;
 
+#[cfg(feature = "sqlite")]
+pub use crate::dispatch::SqliteOutboxRepository;
 pub use crate::dispatch::{
-    BoxError, Claim, Dispatched, OutboxRepository, PoisonRow, PublishError, Publisher,
+    BoxError, Claim, DispatchError, DispatchOptions, DispatchReport, Dispatched, DispatcherBuilder,
+    DispatcherHandle, Disposition, ErrorCallback, MIN_RETRY_DELAY, MemoryOutboxRepository,
+    OutboxDispatcher, OutboxRepository, PoisonRow, PublishError, Publisher, RetryPolicy,
+    dispatch_outbox,
 };
 #[cfg(feature = "postgres")]
 pub use crate::dispatch::{PgOutboxRepository, PgWakeups};
-#[cfg(feature = "sqlite")]
-pub use crate::dispatch::SqliteOutboxRepository;
 pub use crate::error::{Error, Result};
 pub use crate::event::{OutboxEvent, TRACEPARENT, TRACESTATE, TraceContext};
 pub use crate::job::{JobMode, JobSubmission, OutboxJob, REQUEST_ID};
 pub use crate::migrate::{
     MIGRATIONS_TABLE, MigrationReport, SqlOutboxMigration, fnv1a64_hex, migrate, migrate_with,
     migration_script, migrations,
+};
+#[cfg(feature = "nats")]
+pub use crate::nats::{
+    DEFAULT_ACK_TIMEOUT, DEFAULT_ACK_WINDOW, DEFAULT_JOB_MAX_TRIES, JetStreamError,
+    JetStreamErrorKind, JetStreamPublisher, JetStreamPublisherBuilder, JobAdmission, JobDispatcher,
+    JobRef, JobRequest, NoJobDispatcher, StreamCheck, StreamCheckError,
 };
 pub use crate::outbox::{Outbox, OutboxDatabase, OutboxTransactionExt};
 pub use crate::record::{

@@ -60,14 +60,38 @@ impl RawRow {
     }
 }
 
-/// Reads a column, turning a driver error into [`Error::Decode`].
+/// The position of each column in [`COLUMNS`](crate::sql::COLUMNS), the order every query
+/// that decodes a message selects them in. Reading by position avoids a name lookup per
+/// column per row.
+pub(crate) const COLUMN_NAMES: [&str; 13] = [
+    "id",
+    "kind",
+    "name",
+    "subject",
+    "payload",
+    "headers",
+    "state",
+    "attempts",
+    "created_at",
+    "updated_at",
+    "next_attempt_at",
+    "last_error",
+    "outcome",
+];
+
+/// Reads the column named `name` (by its position in `COLUMNS`), turning a driver error into
+/// [`Error::Decode`].
 pub(crate) fn column<'r, R, T>(row: &'r R, id: &str, name: &'static str) -> Result<T>
 where
     R: sqlx::Row,
     T: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    &'static str: sqlx::ColumnIndex<R>,
+    usize: sqlx::ColumnIndex<R>,
 {
-    row.try_get(name).map_err(|e| Error::decode(id, name, e))
+    let index = COLUMN_NAMES
+        .iter()
+        .position(|c| *c == name)
+        .unwrap_or(usize::MAX);
+    row.try_get(index).map_err(|e| Error::decode(id, name, e))
 }
 
 /// The result of a batch insert that wrote `inserted` rows: the records themselves when every

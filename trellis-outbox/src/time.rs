@@ -26,8 +26,42 @@ pub fn format_timestamp(time: DateTime<Utc>) -> String {
 }
 
 /// Parses a timestamp written by [`format_timestamp`] (or any RFC 3339 time).
+///
+/// The stored format `YYYY-MM-DDTHH:mm:ss.sssZ` takes a fast path: claims decode three per
+/// row.
 pub(crate) fn parse_timestamp(text: &str) -> Result<DateTime<Utc>, chrono::ParseError> {
+    if let Some(time) = parse_iso_millis(text.as_bytes()) {
+        return Ok(time);
+    }
     DateTime::parse_from_rfc3339(text).map(|t| t.with_timezone(&Utc))
+}
+
+fn parse_iso_millis(b: &[u8]) -> Option<DateTime<Utc>> {
+    if b.len() != 24
+        || b[4] != b'-'
+        || b[7] != b'-'
+        || b[10] != b'T'
+        || b[13] != b':'
+        || b[16] != b':'
+        || b[19] != b'.'
+        || b[23] != b'Z'
+    {
+        return None;
+    }
+    let num = |range: std::ops::Range<usize>| -> Option<u32> {
+        b[range].iter().try_fold(0_u32, |acc, &d| {
+            d.is_ascii_digit().then(|| acc * 10 + u32::from(d - b'0'))
+        })
+    };
+    let date =
+        chrono::NaiveDate::from_ymd_opt(i32::try_from(num(0..4)?).ok()?, num(5..7)?, num(8..10)?)?;
+    let time = chrono::NaiveTime::from_hms_milli_opt(
+        num(11..13)?,
+        num(14..16)?,
+        num(17..19)?,
+        num(20..23)?,
+    )?;
+    Some(date.and_time(time).and_utc())
 }
 
 #[cfg(test)]
@@ -40,6 +74,17 @@ mod tests {
         let t = Utc.timestamp_millis_opt(1_779_667_200_123).unwrap();
         assert_eq!(format_timestamp(t), "2026-05-25T00:00:00.123Z");
         assert_eq!(parse_timestamp("2026-05-25T00:00:00.123Z").unwrap(), t);
+        // Other RFC 3339 forms still parse, through the general path.
+        assert_eq!(parse_timestamp("2026-05-25T02:00:00.123+02:00").unwrap(), t);
+        assert_eq!(parse_timestamp("2026-05-25T00:00:00.123000Z").unwrap(), t);
+        for bad in [
+            "2026-13-25T00:00:00.123Z",
+            "2026-05-25T24:00:00.123Z",
+            "2026-05-25T00:00:00.1a3Z",
+            "x",
+        ] {
+            assert!(parse_timestamp(bad).is_err(), "{bad}");
+        }
         let now = now_millis();
         assert_eq!(now.timestamp_subsec_nanos() % 1_000_000, 0);
     }

@@ -4,10 +4,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, PgPool, Row};
 
-use super::repository::{Claim, Dispatched, OutboxRepository, PoisonRow};
+use super::repository::{Claim, Dispatched, OutboxRepository};
 use crate::error::{Error, Result};
 use crate::record::new_id;
 use crate::sql::COLUMNS;
@@ -112,19 +111,8 @@ impl PgOutboxRepository {
     }
 }
 
-fn repo_error(operation: &'static str) -> impl Fn(sqlx::Error) -> Error {
-    move |source| Error::Repository { operation, source }
-}
-
 fn secs(duration: Duration) -> f64 {
     duration.as_secs_f64()
-}
-
-fn decode_claimed(row: &PgRow) -> std::result::Result<crate::OutboxMessage, PoisonRow> {
-    crate::postgres::decode(row).map_err(|error| PoisonRow {
-        id: row.try_get::<String, _>("id").unwrap_or_default(),
-        reason: error.to_string(),
-    })
 }
 
 impl OutboxRepository for PgOutboxRepository {
@@ -143,7 +131,7 @@ impl OutboxRepository for PgOutboxRepository {
             .bind(cutoff)
             .fetch_all(&self.pool)
             .await
-            .map_err(repo_error("claim"))?;
+            .map_err(Error::repository("claim"))?;
         let Some(first) = rows.first() else {
             return Ok(Claim::empty(token, cutoff.unwrap_or_else(Utc::now)));
         };
@@ -151,16 +139,7 @@ impl OutboxRepository for PgOutboxRepository {
             .try_get("claim_cutoff")
             .map_err(|e| Error::decode("", "claim_cutoff", e))?;
         let mut claim = Claim::empty(token, cutoff);
-        for row in &rows {
-            match decode_claimed(row) {
-                Ok(message) => claim.messages.push(message),
-                Err(poison) => claim.poisoned.push(poison),
-            }
-        }
-        // RETURNING does not keep the subquery's order.
-        claim
-            .messages
-            .sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+        claim.extend(&rows, crate::postgres::decode, |row| row.try_get("id").ok());
         Ok(claim)
     }
 
@@ -179,7 +158,7 @@ impl OutboxRepository for PgOutboxRepository {
             .bind(&claim.token)
             .execute(&self.pool)
             .await
-            .map_err(repo_error("mark dispatched"))?;
+            .map_err(Error::repository("mark dispatched"))?;
         Ok(result.rows_affected())
     }
 
@@ -197,7 +176,7 @@ impl OutboxRepository for PgOutboxRepository {
             .bind(error)
             .execute(&self.pool)
             .await
-            .map_err(repo_error("mark failed"))?;
+            .map_err(Error::repository("mark failed"))?;
         Ok(result.rows_affected() == 1)
     }
 
@@ -215,7 +194,7 @@ impl OutboxRepository for PgOutboxRepository {
             .bind(reason)
             .execute(&self.pool)
             .await
-            .map_err(repo_error("mark dead"))?;
+            .map_err(Error::repository("mark dead"))?;
         Ok(result.rows_affected() == 1)
     }
 
@@ -228,7 +207,7 @@ impl OutboxRepository for PgOutboxRepository {
             .bind(&claim.token)
             .execute(&self.pool)
             .await
-            .map_err(repo_error("release"))?;
+            .map_err(Error::repository("release"))?;
         Ok(result.rows_affected())
     }
 
@@ -237,7 +216,7 @@ impl OutboxRepository for PgOutboxRepository {
             .bind(id)
             .execute(&self.pool)
             .await
-            .map_err(repo_error("retry"))?;
+            .map_err(Error::repository("retry"))?;
         Ok(result.rows_affected() == 1)
     }
 
@@ -245,7 +224,7 @@ impl OutboxRepository for PgOutboxRepository {
         let seconds: Option<f64> = sqlx::query_scalar(AssertSqlSafe(self.sql.next_due_in.as_str()))
             .fetch_one(&self.pool)
             .await
-            .map_err(repo_error("next due"))?;
+            .map_err(Error::repository("next due"))?;
         Ok(seconds.map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::ZERO)))
     }
 }

@@ -59,6 +59,27 @@ impl Claim {
     pub fn len(&self) -> usize {
         self.messages.len() + self.poisoned.len()
     }
+
+    /// Adds claimed rows (decoded, or poisoned with their id), and puts the messages in
+    /// dispatch order: `RETURNING` does not keep the claim subquery's order.
+    pub(crate) fn extend<R>(
+        &mut self,
+        rows: &[R],
+        decode: impl Fn(&R) -> Result<OutboxMessage>,
+        id: impl Fn(&R) -> Option<String>,
+    ) {
+        for row in rows {
+            match decode(row) {
+                Ok(message) => self.messages.push(message),
+                Err(error) => self.poisoned.push(PoisonRow {
+                    id: id(row).unwrap_or_default(),
+                    reason: error.to_string(),
+                }),
+            }
+        }
+        self.messages
+            .sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+    }
 }
 
 /// A successfully dispatched row and what dispatching produced.

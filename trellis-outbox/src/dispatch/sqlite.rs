@@ -4,10 +4,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::sqlite::SqliteRow;
 use sqlx::{AssertSqlSafe, Row, SqlitePool};
 
-use super::repository::{Claim, Dispatched, OutboxRepository, PoisonRow};
+use super::repository::{Claim, Dispatched, OutboxRepository};
 use crate::error::{Error, Result};
 use crate::record::new_id;
 use crate::sql::COLUMNS;
@@ -17,9 +16,9 @@ use crate::time::{format_timestamp, parse_timestamp};
 /// SQLite's current time in the stored format, `YYYY-MM-DDTHH:MM:SS.SSSZ`.
 const NOW: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')";
 
-/// The outbox repository on SQLite: claims in a `BEGIN IMMEDIATE` transaction (SQLite has a
-/// single writer and no `SKIP LOCKED`), under a lease and a fencing token, using SQLite's
-/// clock.
+/// The outbox repository on SQLite: claims with one `UPDATE … RETURNING` (SQLite has a single
+/// writer and no `SKIP LOCKED`; the statement takes the write lock when it starts, like
+/// `BEGIN IMMEDIATE`), under a lease and a fencing token, using SQLite's clock.
 ///
 /// Needs migration version 2 ([`migrate`](crate::migrate())).
 ///
@@ -43,9 +42,9 @@ pub struct SqliteOutboxRepository {
 
 #[derive(Debug)]
 struct Statements {
-    now: String,
     claim: String,
     mark_dispatched: String,
+    mark_dispatched_with_outcomes: String,
     mark_failed: String,
     mark_dead: String,
     release: String,
@@ -63,19 +62,26 @@ impl SqliteOutboxRepository {
     pub fn with_tables(pool: SqlitePool, tables: &OutboxTables) -> Self {
         let o = tables.outbox();
         let sql = Statements {
-            now: format!("SELECT {NOW}"),
-            // ?1 limit, ?2 lease modifier ('+30.000 seconds'), ?3 token, ?4 cutoff.
+            // ?1 limit, ?2 lease modifier ('+30.000 seconds'), ?3 token, ?4 cutoff or NULL.
+            // Without statistics SQLite prefers the (state, next_attempt_at) index and sorts
+            // every undispatched row per claim; the partial claim index yields them in order.
             claim: format!(
                 "UPDATE {o} SET claimed_until = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?2), claim_token = ?3 \
-                 WHERE id IN (SELECT id FROM {o} \
+                 WHERE id IN (SELECT id FROM {o} INDEXED BY {o}_claim_idx \
                  WHERE state IN ('pending', 'failed') \
-                 AND (next_attempt_at IS NULL OR next_attempt_at <= ?4) \
+                 AND (next_attempt_at IS NULL OR next_attempt_at <= COALESCE(?4, {NOW})) \
                  AND (claimed_until IS NULL OR claimed_until <= {NOW}) \
                  ORDER BY created_at, id LIMIT ?1) \
-                 RETURNING {COLUMNS}"
+                 RETURNING {COLUMNS}, COALESCE(?4, {NOW}) AS claim_cutoff"
+            ),
+            // ?1 JSON array of ids, ?2 token.
+            mark_dispatched: format!(
+                "UPDATE {o} SET state = 'dispatched', updated_at = {NOW}, next_attempt_at = NULL, \
+                 last_error = NULL, claimed_until = NULL, claim_token = NULL, outcome = NULL \
+                 WHERE claim_token = ?2 AND id IN (SELECT value FROM json_each(?1))"
             ),
             // ?1 JSON array of [id, outcome-or-null] pairs, ?2 token.
-            mark_dispatched: format!(
+            mark_dispatched_with_outcomes: format!(
                 "UPDATE {o} SET state = 'dispatched', updated_at = {NOW}, next_attempt_at = NULL, \
                  last_error = NULL, claimed_until = NULL, claim_token = NULL, \
                  outcome = (SELECT NULLIF(d.value -> '$[1]', 'null') FROM json_each(?1) AS d \
@@ -120,20 +126,9 @@ impl SqliteOutboxRepository {
     }
 }
 
-fn repo_error(operation: &'static str) -> impl Fn(sqlx::Error) -> Error {
-    move |source| Error::Repository { operation, source }
-}
-
 /// An SQLite date modifier adding `duration`: `+1.500 seconds`.
 fn modifier(duration: Duration) -> String {
     format!("+{:.3} seconds", duration.as_secs_f64())
-}
-
-fn decode_claimed(row: &SqliteRow) -> std::result::Result<crate::OutboxMessage, PoisonRow> {
-    crate::sqlite::decode(row).map_err(|error| PoisonRow {
-        id: row.try_get::<String, _>("id").unwrap_or_default(),
-        reason: error.to_string(),
-    })
 }
 
 fn json_array<T: serde::Serialize>(value: &T) -> Result<String> {
@@ -152,41 +147,27 @@ impl OutboxRepository for SqliteOutboxRepository {
     ) -> Result<Claim> {
         let token = new_id();
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        // BEGIN IMMEDIATE takes the write lock first: concurrent claimers queue on the busy
-        // timeout instead of failing to upgrade a read lock.
-        let mut tx = self
-            .pool
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .map_err(repo_error("claim"))?;
-        let cutoff_text = match cutoff {
-            Some(cutoff) => format_timestamp(cutoff),
-            None => sqlx::query_scalar(AssertSqlSafe(self.sql.now.as_str()))
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(repo_error("claim"))?,
-        };
+        // One autocommit UPDATE: SQLite takes the write lock when the statement starts, so
+        // the claim is atomic and concurrent claimers queue on the busy timeout (the same
+        // guarantee as BEGIN IMMEDIATE, in one round trip).
         let rows = sqlx::query(AssertSqlSafe(self.sql.claim.as_str()))
             .bind(limit)
             .bind(modifier(lease))
             .bind(&token)
-            .bind(&cutoff_text)
-            .fetch_all(&mut *tx)
+            .bind(cutoff.map(format_timestamp))
+            .fetch_all(&self.pool)
             .await
-            .map_err(repo_error("claim"))?;
-        tx.commit().await.map_err(repo_error("claim"))?;
+            .map_err(Error::repository("claim"))?;
+        let Some(first) = rows.first() else {
+            return Ok(Claim::empty(token, cutoff.unwrap_or_else(Utc::now)));
+        };
+        let cutoff_text: String = first
+            .try_get("claim_cutoff")
+            .map_err(|e| Error::decode("", "claim_cutoff", e))?;
         let cutoff = parse_timestamp(&cutoff_text)
-            .map_err(|e| Error::decode("", "claim cutoff", format!("{cutoff_text:?}: {e}")))?;
+            .map_err(|e| Error::decode("", "claim_cutoff", format!("{cutoff_text:?}: {e}")))?;
         let mut claim = Claim::empty(token, cutoff);
-        for row in &rows {
-            match decode_claimed(row) {
-                Ok(message) => claim.messages.push(message),
-                Err(poison) => claim.poisoned.push(poison),
-            }
-        }
-        claim
-            .messages
-            .sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+        claim.extend(&rows, crate::sqlite::decode, |row| row.try_get("id").ok());
         Ok(claim)
     }
 
@@ -194,14 +175,21 @@ impl OutboxRepository for SqliteOutboxRepository {
         if rows.is_empty() {
             return Ok(0);
         }
-        let pairs: Vec<(&str, &Option<serde_json::Value>)> =
-            rows.iter().map(|r| (r.id.as_str(), &r.outcome)).collect();
-        let result = sqlx::query(AssertSqlSafe(self.sql.mark_dispatched.as_str()))
-            .bind(json_array(&pairs)?)
+        // Events carry no outcome: the plain statement avoids a per-row JSON lookup.
+        let (sql, list) = if rows.iter().all(|r| r.outcome.is_none()) {
+            let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
+            (&self.sql.mark_dispatched, json_array(&ids)?)
+        } else {
+            let pairs: Vec<(&str, &Option<serde_json::Value>)> =
+                rows.iter().map(|r| (r.id.as_str(), &r.outcome)).collect();
+            (&self.sql.mark_dispatched_with_outcomes, json_array(&pairs)?)
+        };
+        let result = sqlx::query(AssertSqlSafe(sql.as_str()))
+            .bind(list)
             .bind(&claim.token)
             .execute(&self.pool)
             .await
-            .map_err(repo_error("mark dispatched"))?;
+            .map_err(Error::repository("mark dispatched"))?;
         Ok(result.rows_affected())
     }
 
@@ -219,7 +207,7 @@ impl OutboxRepository for SqliteOutboxRepository {
             .bind(error)
             .execute(&self.pool)
             .await
-            .map_err(repo_error("mark failed"))?;
+            .map_err(Error::repository("mark failed"))?;
         Ok(result.rows_affected() == 1)
     }
 
@@ -237,7 +225,7 @@ impl OutboxRepository for SqliteOutboxRepository {
             .bind(reason)
             .execute(&self.pool)
             .await
-            .map_err(repo_error("mark dead"))?;
+            .map_err(Error::repository("mark dead"))?;
         Ok(result.rows_affected() == 1)
     }
 
@@ -250,7 +238,7 @@ impl OutboxRepository for SqliteOutboxRepository {
             .bind(&claim.token)
             .execute(&self.pool)
             .await
-            .map_err(repo_error("release"))?;
+            .map_err(Error::repository("release"))?;
         Ok(result.rows_affected())
     }
 
@@ -259,7 +247,7 @@ impl OutboxRepository for SqliteOutboxRepository {
             .bind(id)
             .execute(&self.pool)
             .await
-            .map_err(repo_error("retry"))?;
+            .map_err(Error::repository("retry"))?;
         Ok(result.rows_affected() == 1)
     }
 
@@ -267,7 +255,7 @@ impl OutboxRepository for SqliteOutboxRepository {
         let seconds: Option<f64> = sqlx::query_scalar(AssertSqlSafe(self.sql.next_due_in.as_str()))
             .fetch_one(&self.pool)
             .await
-            .map_err(repo_error("next due"))?;
+            .map_err(Error::repository("next due"))?;
         Ok(seconds.map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::ZERO)))
     }
 }

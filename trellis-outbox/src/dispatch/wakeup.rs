@@ -90,11 +90,10 @@ impl Drop for PgWakeups {
 }
 
 async fn connect(pool: &PgPool, channel: &str) -> Result<PgListener> {
-    let listen_error = |source| Error::Repository {
-        operation: "listen",
-        source,
-    };
-    let mut listener = PgListener::connect_with(pool).await.map_err(listen_error)?;
+    let listen_error = Error::repository("listen");
+    let mut listener = PgListener::connect_with(pool)
+        .await
+        .map_err(&listen_error)?;
     listener.listen(channel).await.map_err(listen_error)?;
     Ok(listener)
 }

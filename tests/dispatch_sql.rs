@@ -1,0 +1,422 @@
+//! The dispatcher on real databases: several dispatchers draining one Postgres outbox publish
+//! every row exactly once; a dispatcher process killed mid-batch loses nothing; retries end in
+//! `dead`; a poison row does not block the rows behind it.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use sqlx::postgres::PgConnectOptions;
+use trellis_outbox::{
+    DispatchOptions, OutboxDispatcher, OutboxMessage, OutboxTransactionExt, PgOutboxRepository,
+    PreparedOutboxRecord, PublishError, Publisher, RetryPolicy, SqliteOutboxRepository,
+    dispatch_outbox, migrate,
+};
+use trellis_outbox_tests::{TestPg, TestSqlite, database_url};
+
+/// Counts every publish attempt per row id; fails the rows it is told to.
+#[derive(Default)]
+struct Recording {
+    attempts: Mutex<HashMap<String, u32>>,
+    fail_always: Mutex<Vec<String>>,
+    delay: Option<Duration>,
+}
+
+impl Recording {
+    fn attempts(&self) -> HashMap<String, u32> {
+        self.attempts.lock().unwrap().clone()
+    }
+}
+
+impl Publisher for Recording {
+    async fn publish_batch(
+        &self,
+        messages: &[OutboxMessage],
+    ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
+        if let Some(delay) = self.delay {
+            tokio::time::sleep(delay).await;
+        }
+        let fail = self.fail_always.lock().unwrap().clone();
+        let mut attempts = self.attempts.lock().unwrap();
+        messages
+            .iter()
+            .map(|m| {
+                *attempts.entry(m.id.clone()).or_default() += 1;
+                if fail.contains(&m.id) {
+                    Err(PublishError::retryable(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "no ack within 5 s",
+                    )))
+                } else {
+                    Ok(None)
+                }
+            })
+            .collect()
+    }
+}
+
+fn record(n: usize) -> PreparedOutboxRecord {
+    PreparedOutboxRecord::event(
+        "Orders.Placed",
+        "events.v1.Orders.Placed",
+        &json!({ "n": n }),
+    )
+    .unwrap()
+}
+
+async fn load<DB: trellis_outbox::OutboxDatabase>(
+    pool: &sqlx::Pool<DB>,
+    rows: usize,
+) -> Vec<String> {
+    let mut ids = Vec::with_capacity(rows);
+    for chunk in (0..rows).collect::<Vec<_>>().chunks(1_000) {
+        let records: Vec<_> = chunk.iter().map(|&n| record(n)).collect();
+        ids.extend(records.iter().map(|r| r.id.clone()));
+        let mut tx = pool.begin().await.unwrap();
+        tx.enqueue_all(records).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    ids
+}
+
+async fn pg_states(pool: &sqlx::PgPool) -> HashMap<String, i64> {
+    sqlx::query_as::<_, (String, i64)>("SELECT state, count(*) FROM trellis_outbox GROUP BY state")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+async fn wait_until_undispatched_is(pool: &sqlx::PgPool, remaining: i64, timeout: Duration) {
+    let start = Instant::now();
+    loop {
+        let n: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM trellis_outbox WHERE state <> 'dispatched'")
+                .fetch_one(pool)
+                .await
+                .unwrap();
+        if n <= remaining {
+            return;
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "{n} rows still undispatched after {timeout:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_postgres_dispatchers_publish_20000_rows_exactly_once() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let ids = load(&db.pool, 20_000).await;
+    let publisher = Arc::new(Recording::default());
+    let dispatchers: Vec<_> = (0..4)
+        .map(|_| {
+            OutboxDispatcher::builder(PgOutboxRepository::new(db.pool.clone()), publisher.clone())
+                .batch_size(100)
+                .start()
+                .unwrap()
+        })
+        .collect();
+    wait_until_undispatched_is(&db.pool, 0, Duration::from_secs(120)).await;
+    for dispatcher in dispatchers {
+        dispatcher.shutdown().await;
+    }
+
+    let attempts = publisher.attempts();
+    assert_eq!(attempts.len(), 20_000, "every row was published");
+    let repeated: Vec<_> = attempts.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(
+        repeated.is_empty(),
+        "rows published more than once: {:?}",
+        &repeated[..repeated.len().min(5)]
+    );
+    assert!(ids.iter().all(|id| attempts.contains_key(id)));
+    assert_eq!(
+        pg_states(&db.pool).await,
+        HashMap::from([("dispatched".to_owned(), 20_000)])
+    );
+    db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_sqlite_dispatchers_publish_every_row_exactly_once() {
+    let db = TestSqlite::new().await;
+    migrate(&db.pool).await.unwrap();
+    load(&db.pool, 3_000).await;
+    let publisher = Arc::new(Recording::default());
+    let dispatchers: Vec<_> = (0..2)
+        .map(|_| {
+            OutboxDispatcher::builder(
+                SqliteOutboxRepository::new(db.pool.clone()),
+                publisher.clone(),
+            )
+            .batch_size(50)
+            .start()
+            .unwrap()
+        })
+        .collect();
+    let start = Instant::now();
+    loop {
+        let n: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM trellis_outbox WHERE state <> 'dispatched'")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        if n == 0 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "{n} rows left");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for dispatcher in dispatchers {
+        dispatcher.shutdown().await;
+    }
+    let attempts = publisher.attempts();
+    assert_eq!(attempts.len(), 3_000);
+    assert!(attempts.values().all(|n| *n == 1));
+}
+
+async fn retries_end_in_dead_and_poison_does_not_block<DB, R>(
+    pool: &sqlx::Pool<DB>,
+    repo: R,
+    poison_sql: &str,
+) where
+    DB: trellis_outbox::OutboxDatabase,
+    R: trellis_outbox::OutboxRepository,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+{
+    sqlx::raw_sql(sqlx::AssertSqlSafe(poison_sql.to_owned()))
+        .execute(pool)
+        .await
+        .unwrap();
+    let ids = load(pool, 101).await;
+    let publisher = Recording::default();
+    publisher.fail_always.lock().unwrap().push(ids[0].clone());
+    let policy = RetryPolicy::new()
+        .initial_delay(Duration::from_millis(1))
+        .max_delay(Duration::from_millis(1))
+        .jitter(0.0)
+        .max_attempts(3);
+    let options = DispatchOptions::new().batch_size(20).retry_policy(policy);
+
+    let first = dispatch_outbox(&repo, &publisher, options.clone())
+        .await
+        .unwrap();
+    assert_eq!(
+        first.dispatched, 100,
+        "the 100 rows behind the poison row are dispatched"
+    );
+    assert_eq!(first.dead, 1, "the poison row went dead");
+    assert_eq!(first.failed, 1);
+    for expected_dead in [0, 1] {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let report = dispatch_outbox(&repo, &publisher, options.clone())
+            .await
+            .unwrap();
+        assert_eq!(report.dead, expected_dead, "{report:?}");
+    }
+    assert_eq!(
+        publisher.attempts()[&ids[0]],
+        3,
+        "three attempts, then dead"
+    );
+    assert!(
+        !publisher.attempts().contains_key("poison"),
+        "an undecodable row is never published"
+    );
+    let later = dispatch_outbox(&repo, &publisher, options).await.unwrap();
+    assert_eq!((later.dispatched, later.failed, later.dead), (0, 0, 0));
+}
+
+#[tokio::test]
+async fn postgres_retries_end_in_dead_and_poison_does_not_block() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    retries_end_in_dead_and_poison_does_not_block(
+        &db.pool,
+        PgOutboxRepository::new(db.pool.clone()),
+        "INSERT INTO trellis_outbox (id, kind, name, subject, payload, headers, state, attempts, created_at, updated_at) \
+         VALUES ('poison', 'event.bogus', 'A.B', 'events.v1.A.B', '{}', '{}', 'pending', 0, now() - interval '1 hour', now())",
+    )
+    .await;
+    let (state, attempts, last_error): (String, i32, String) =
+        sqlx::query_as("SELECT state, attempts, last_error FROM trellis_outbox WHERE attempts = 3")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((state.as_str(), attempts), ("dead", 3));
+    assert!(last_error.contains("no ack within 5 s"), "{last_error}");
+    let poison: (String, String) =
+        sqlx::query_as("SELECT state, last_error FROM trellis_outbox WHERE id = 'poison'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(poison.0, "dead");
+    assert!(poison.1.contains("event.bogus"), "{}", poison.1);
+    db.close().await;
+}
+
+#[tokio::test]
+async fn sqlite_retries_end_in_dead_and_poison_does_not_block() {
+    let db = TestSqlite::new().await;
+    migrate(&db.pool).await.unwrap();
+    retries_end_in_dead_and_poison_does_not_block(
+        &db.pool,
+        SqliteOutboxRepository::new(db.pool.clone()),
+        "INSERT INTO trellis_outbox (id, kind, name, subject, payload, headers, state, attempts, created_at, updated_at) \
+         VALUES ('poison', 'event.publish', 'A.B', 'events.v1.A.B', '{}', 'not json', 'pending', 0, '2000-01-01T00:00:00.000Z', '2000-01-01T00:00:00.000Z')",
+    )
+    .await;
+}
+
+// ---- crash: a dispatcher process killed mid-batch ----
+
+const CHILD_ENV: &str = "TRELLIS_OUTBOX_CRASH_CHILD_DB";
+
+/// Records publishes in a table, as a broker would: visible to the parent after the kill.
+struct TablePublisher {
+    pool: sqlx::PgPool,
+}
+
+impl Publisher for TablePublisher {
+    async fn publish_batch(
+        &self,
+        messages: &[OutboxMessage],
+    ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
+        let ids: Vec<&str> = messages.iter().map(|m| m.id.as_str()).collect();
+        let stored = sqlx::query("INSERT INTO published (id) SELECT * FROM UNNEST($1::text[])")
+            .bind(&ids)
+            .execute(&self.pool)
+            .await;
+        // A slow broker: gives the parent time to kill us between publish and mark.
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        messages
+            .iter()
+            .map(|_| match &stored {
+                Ok(_) => Ok(None),
+                Err(e) => Err(PublishError::retryable(e.to_string())),
+            })
+            .collect()
+    }
+}
+
+fn options_for(db_name: &str) -> PgConnectOptions {
+    PgConnectOptions::from_str(&database_url())
+        .unwrap()
+        .database(db_name)
+}
+
+/// Not a test: the body of the child process the crash test starts and kills.
+#[tokio::test]
+#[ignore = "entry point of the crash test's child process"]
+async fn crash_child_process() {
+    let Ok(db_name) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let pool = sqlx::PgPool::connect_with(options_for(&db_name))
+        .await
+        .unwrap();
+    let dispatcher = OutboxDispatcher::builder(
+        PgOutboxRepository::new(pool.clone()),
+        TablePublisher { pool: pool.clone() },
+    )
+    .batch_size(50)
+    .lease(Duration::from_secs(2))
+    .start()
+    .unwrap();
+    // Run until killed.
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    dispatcher.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatcher_killed_mid_batch_loses_nothing() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    sqlx::query("CREATE TABLE published (id text NOT NULL)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let ids = load(&db.pool, 3_000).await;
+
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "crash_child_process",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, &db.name)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Let it dispatch part of the backlog, then kill it without warning (SIGKILL, our pid).
+    wait_until_undispatched_is(&db.pool, 2_500, Duration::from_secs(60)).await;
+    child.kill().unwrap();
+    let status = child.wait().unwrap();
+    assert!(
+        !status.success(),
+        "the child was killed, not finished: {status:?}"
+    );
+
+    let leased: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM trellis_outbox WHERE state <> 'dispatched' AND claimed_until > now()",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let remaining: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM trellis_outbox WHERE state <> 'dispatched'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(remaining > 0, "the child must not have finished");
+
+    // Another dispatcher takes over; rows leased by the dead process come back after the lease.
+    let survivor = OutboxDispatcher::builder(
+        PgOutboxRepository::new(db.pool.clone()),
+        TablePublisher {
+            pool: db.pool.clone(),
+        },
+    )
+    .batch_size(100)
+    .idle_interval(Duration::from_millis(200))
+    .start()
+    .unwrap();
+    wait_until_undispatched_is(&db.pool, 0, Duration::from_secs(60)).await;
+    survivor.shutdown().await;
+
+    let published: HashMap<String, i64> =
+        sqlx::query_as::<_, (String, i64)>("SELECT id, count(*) FROM published GROUP BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    assert!(
+        ids.iter().all(|id| published.contains_key(id)),
+        "every row was published"
+    );
+    let twice = published.values().filter(|n| **n > 1).count();
+    // Only rows the child had published but not yet marked when it died go out again (the
+    // JetStream Nats-Msg-Id de-duplicates those); never more than one claimed batch.
+    assert!(
+        twice <= 50,
+        "{twice} rows published twice; at most one batch (50) may be"
+    );
+    assert!(published.values().all(|n| *n <= 2));
+    println!(
+        "killed with {remaining} rows left ({leased} leased by the dead process); {twice} republished"
+    );
+    db.close().await;
+}
