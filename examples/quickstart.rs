@@ -1,5 +1,7 @@
 //! The quick start: an order handler that writes its business row and its event in one
-//! transaction, on an embedded SQLite file. No service needed.
+//! transaction, on an embedded SQLite file, then a dispatcher that publishes the committed
+//! events: to NATS JetStream when `NATS_URL` (default `nats://127.0.0.1:4222`) answers,
+//! otherwise to an in-process publisher that prints them. No service needed.
 //!
 //! ```text
 //! cargo run --example quickstart
@@ -8,7 +10,12 @@
 use serde::Serialize;
 use sqlx::Row;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
-use trellis_outbox::{OutboxEvent, OutboxTransactionExt};
+use std::time::Duration;
+
+use trellis_outbox::{
+    DispatchOptions, JetStreamPublisher, OutboxEvent, OutboxMessage, OutboxTransactionExt,
+    PublishError, Publisher, SqliteOutboxRepository, dispatch_outbox,
+};
 
 /// The event: its payload is serde's output, its subject is rendered from the template.
 #[derive(Serialize, OutboxEvent)]
@@ -95,9 +102,81 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             row.get::<String, _>("created_at"),
         );
     }
+
+    // After commit, a dispatcher publishes each row once and marks it dispatched.
+    let repository = SqliteOutboxRepository::new(pool.clone());
+    let report = match jetstream().await {
+        Some(js) => {
+            println!(
+                "\ndispatching to NATS JetStream at {} (stream QUICKSTART)",
+                nats_url()
+            );
+            js.get_or_create_stream(async_nats::jetstream::stream::Config {
+                name: "QUICKSTART".into(),
+                subjects: vec!["events.v1.Orders.>".into()],
+                max_messages: 10_000,
+                ..Default::default()
+            })
+            .await?;
+            let publisher = JetStreamPublisher::new(js);
+            dispatch_outbox(&repository, &publisher, DispatchOptions::new()).await?
+        }
+        None => {
+            println!(
+                "\nNATS is not answering at {}: dispatching to an in-process publisher that prints each message",
+                nats_url()
+            );
+            dispatch_outbox(&repository, &Print, DispatchOptions::new()).await?
+        }
+    };
     println!(
-        "\n{} events wait for a dispatcher to publish them after commit.",
-        rows.len()
+        "dispatched {}, failed {}, dead {}",
+        report.dispatched, report.failed, report.dead
     );
+    let states: Vec<(String, String)> =
+        sqlx::query_as("SELECT id, state FROM trellis_outbox ORDER BY created_at, id")
+            .fetch_all(&pool)
+            .await?;
+    for (id, state) in states {
+        println!("  {id} {state}");
+    }
     Ok(())
+}
+
+fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
+}
+
+/// JetStream at `NATS_URL`, if it answers within a second.
+async fn jetstream() -> Option<async_nats::jetstream::Context> {
+    let connect = async_nats::ConnectOptions::new()
+        .connection_timeout(Duration::from_secs(1))
+        .max_reconnects(Some(0))
+        .connect(nats_url());
+    let client = tokio::time::timeout(Duration::from_secs(2), connect)
+        .await
+        .ok()?
+        .ok()?;
+    Some(async_nats::jetstream::new(client))
+}
+
+/// Stands in for NATS when no server answers: prints what would be published.
+struct Print;
+
+impl Publisher for Print {
+    async fn publish_batch(
+        &self,
+        messages: &[OutboxMessage],
+    ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
+        messages
+            .iter()
+            .map(|m| {
+                println!(
+                    "  publish {} {} (Nats-Msg-Id {})",
+                    m.subject, m.payload, m.id
+                );
+                Ok(None)
+            })
+            .collect()
+    }
 }
