@@ -29,15 +29,20 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// # Examples
 ///
 /// ```no_run
-/// use trellis_outbox::{OutboxTables, PgWakeups};
+/// use trellis_outbox::{
+///     JetStreamPublisher, OutboxDispatcher, OutboxTables, PgOutboxRepository, PgWakeups,
+/// };
 ///
-/// # async fn run(pool: sqlx::PgPool) -> Result<(), trellis_outbox::Error> {
-/// let wakeups = PgWakeups::listen(&pool, &OutboxTables::default(), || {
-///     // e.g. dispatcher_handle.notify()
-/// })
-/// .await?;
+/// # async fn run(pool: sqlx::PgPool, nats: async_nats::Client) -> Result<(), Box<dyn std::error::Error>> {
+/// let publisher = JetStreamPublisher::new(async_nats::jetstream::new(nats));
+/// let dispatcher =
+///     OutboxDispatcher::builder(PgOutboxRepository::new(pool.clone()), publisher).start()?;
+/// let handle = dispatcher.handle();
+/// let wakeups =
+///     PgWakeups::listen(&pool, &OutboxTables::default(), move || handle.notify()).await?;
 /// // …
 /// wakeups.stop().await;
+/// dispatcher.shutdown().await;
 /// # Ok(()) }
 /// ```
 #[derive(Debug)]
