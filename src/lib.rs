@@ -5,6 +5,7 @@
 //! test with a message saying how to start it: nothing silently passes.
 
 pub mod nats;
+pub mod nats_server;
 pub mod publisher;
 
 use std::path::PathBuf;
