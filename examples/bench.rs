@@ -405,10 +405,10 @@ async fn raw_drain_pg(pool: &Pool<Postgres>, publisher: &Recorder) -> Result<u64
         let token = ulid::Ulid::generate().to_string();
         let rows: Vec<(String, String, String, Json<serde_json::Value>)> = sqlx::query_as(
             "UPDATE trellis_outbox SET claimed_until = now() + interval '30 seconds', claim_token = $1 \
-             WHERE id IN (SELECT id FROM trellis_outbox WHERE state IN ('pending', 'failed') \
+             WHERE id = ANY(ARRAY(SELECT id FROM trellis_outbox WHERE state IN ('pending', 'failed') \
              AND (next_attempt_at IS NULL OR next_attempt_at <= now()) \
              AND (claimed_until IS NULL OR claimed_until <= now()) \
-             ORDER BY created_at, id LIMIT 100 FOR UPDATE SKIP LOCKED) \
+             ORDER BY created_at, id LIMIT 100 FOR UPDATE SKIP LOCKED)) \
              RETURNING id, subject, payload, headers",
         )
         .bind(&token)

@@ -15,6 +15,11 @@ use crate::tables::OutboxTables;
 /// The outbox repository on PostgreSQL: claims with `FOR UPDATE SKIP LOCKED` in a single
 /// statement, under a lease and a fencing token, using the server's clock.
 ///
+/// The claim is `UPDATE … WHERE id = ANY(ARRAY(SELECT id … ORDER BY created_at, id LIMIT n
+/// FOR UPDATE SKIP LOCKED)) RETURNING …`: the `ARRAY(…)` form makes the planner update the
+/// claimed rows through the primary key, where `id IN (SELECT …)` may become a hash join over
+/// a full scan of the table.
+///
 /// Needs migration version 2 ([`migrate`](crate::migrate())).
 ///
 /// # Examples
@@ -60,11 +65,11 @@ impl PgOutboxRepository {
         let sql = Statements {
             claim: format!(
                 "UPDATE {o} SET claimed_until = now() + make_interval(secs => $2), claim_token = $3 \
-                 WHERE id IN (SELECT id FROM {o} \
+                 WHERE id = ANY(ARRAY(SELECT id FROM {o} \
                  WHERE state IN ('pending', 'failed') \
                  AND (next_attempt_at IS NULL OR next_attempt_at <= COALESCE($4, now())) \
                  AND (claimed_until IS NULL OR claimed_until <= now()) \
-                 ORDER BY created_at, id LIMIT $1 FOR UPDATE SKIP LOCKED) \
+                 ORDER BY created_at, id LIMIT $1 FOR UPDATE SKIP LOCKED)) \
                  RETURNING {COLUMNS}, COALESCE($4, now()) AS claim_cutoff"
             ),
             mark_dispatched: format!(
