@@ -1,0 +1,1012 @@
+//! Relay benchmark: Postgres outbox → NATS JetStream, trellis-outbox against hand-written
+//! baselines measured side by side in one run (issue 5, "Benchmark").
+//!
+//! ```text
+//! cargo run --release --example relay [-- [throughput|latency|rss] [--quick] [--batch N] [--window N]]
+//! ```
+//!
+//! Needs Postgres at `DATABASE_URL` (a fresh database is created and dropped) and a NATS
+//! server with JetStream at `NATS_URL` (uniquely named **file**-storage streams are created
+//! and deleted).
+//!
+//! 1. **Throughput** (`throughput`). Rounds alternate the order of the sides. Before each
+//!    drain the outbox table is truncated, rows are loaded untimed (`enqueue_all`, 1,000 per
+//!    transaction, then `ANALYZE`) and the stream is purged; only the drain is timed, and
+//!    after it the stream must hold exactly the loaded number of messages and no row may be
+//!    left undispatched (the run fails otherwise).
+//!    * ours: `dispatch_outbox(PgOutboxRepository, JetStreamPublisher, batch_size)` until
+//!      the outbox is empty (the same engine `OutboxDispatcher` runs);
+//!    * (a) naive relay: `BEGIN; SELECT … LIMIT 100 FOR UPDATE SKIP LOCKED`, publish all
+//!      with the stored headers and `Nats-Msg-Id` = id, then await all acks, one
+//!      `UPDATE … WHERE id = ANY($1)`, `COMMIT`;
+//!    * (b) upstream's algorithm: a plain `SELECT … LIMIT 25` (no lock), then per row
+//!      publish-and-await-ack and `UPDATE` that row. It is slow, so it drains a smaller
+//!      load, and ours drains the same smaller load in the same round for its ratio.
+//!
+//!    Ratios are medians of the per-round ratios; rates are medians of rows/s.
+//! 2. **Latency** (`latency`): a producer starts one transaction with one event every 1 ms
+//!    (open loop: each transaction is its own task on a 16-connection pool, as concurrent
+//!    request handlers would be, so a slow commit does not lower the offered rate of about
+//!    1,000 events/s). Each event's payload carries a sequence number; the producer
+//!    records the wall-clock time just before `tx.commit()`, and a core NATS subscription on
+//!    the stream's subject (own connection) records when the message arrives. Two modes:
+//!    (i) in-process, the producer calls `DispatcherHandle::notify()` after commit;
+//!    (ii) LISTEN/NOTIFY, the dispatcher is woken only by `PgWakeups`, and the producer is a
+//!    **separate process** (this binary re-executed with `--producer`) with its own pool.
+//!    The first 5 % of samples are dropped as warm-up.
+//! 3. **Peak RSS** (`rss`): loads 1,000,000 rows (quick: 100,000; untimed, 5,000 per
+//!    transaction), then drains them with `dispatch_outbox` to a file-backed JetStream stream
+//!    while a task samples `VmRSS` from `/proc/self/status` every 100 ms. When all three
+//!    parts run, this part runs in a fresh child process so earlier parts' heap does not
+//!    count.
+//!
+//! `sweep` (not in the default run) drains with several batch sizes and ack windows and prints
+//! the time per batch spent claiming, publishing and marking; it was used to pick the
+//! default `--batch 500` (the ack window defaults to the library's 256).
+//!
+//! Machine-readable lines: `BENCH name=… ours=… baseline=… ratio=…`,
+//! `LATENCY name=… p50_ms=… p99_ms=…`, `RSS name=drain_1m peak_mb=…`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::Context;
+use async_nats::jetstream::stream::{Config, StorageType};
+use futures::StreamExt;
+use sqlx::types::Json;
+use sqlx::{PgPool, Postgres};
+use trellis_outbox::{
+    Claim, DispatchOptions, Dispatched, JetStreamPublisher, OutboxDispatcher, OutboxMessage,
+    OutboxRepository, OutboxTables, OutboxTransactionExt, PgOutboxRepository, PgWakeups,
+    PreparedOutboxRecord, PublishError, Publisher, dispatch_outbox,
+};
+use trellis_outbox_tests::TestPg;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+const NAME: &str = "Orders.Shipped";
+
+/// Settings from the command line.
+#[derive(Debug, Clone, Copy)]
+struct Settings {
+    quick: bool,
+    batch: usize,
+    window: usize,
+}
+
+/// A domain event of realistic size (about 200 bytes of JSON).
+fn event(n: u64) -> serde_json::Value {
+    serde_json::json!({
+        "orderId": format!("ord-{n:012}"),
+        "customerId": "cus-0000000000042",
+        "carrier": "ACME Freight",
+        "trackingNumber": format!("1Z{n:016}"),
+        "items": ["sku-123", "sku-456", "sku-789"],
+        "totalCents": 129_990 + n,
+    })
+}
+
+/// A file-storage stream capturing `<token>.>`, deleted by [`BenchStream::delete`].
+struct BenchStream {
+    js: Context,
+    name: String,
+    token: String,
+}
+
+impl BenchStream {
+    async fn create(js: &Context) -> Result<Self, BoxError> {
+        let ulid = ulid::Ulid::generate().to_string();
+        let token = format!("relay{}", ulid.to_lowercase());
+        let name = format!("TRELLIS_RELAY_{ulid}");
+        js.create_stream(Config {
+            name: name.clone(),
+            subjects: vec![format!("{token}.>")],
+            storage: StorageType::File,
+            ..Config::default()
+        })
+        .await?;
+        Ok(Self {
+            js: js.clone(),
+            name,
+            token,
+        })
+    }
+
+    fn subject(&self, rest: &str) -> String {
+        format!("{}.{rest}", self.token)
+    }
+
+    async fn count(&self) -> Result<u64, BoxError> {
+        let mut stream = self.js.get_stream(&self.name).await?;
+        Ok(stream.info().await?.state.messages)
+    }
+
+    async fn purge(&self) -> Result<(), BoxError> {
+        let stream = self.js.get_stream(&self.name).await?;
+        stream.purge().await?;
+        Ok(())
+    }
+
+    async fn delete(&self) {
+        let _ = self.js.delete_stream(&self.name).await;
+    }
+}
+
+/// Empties the outbox, loads `rows` pending events untimed (`enqueue_all` in chunks), and
+/// refreshes the planner's statistics.
+async fn load(pool: &PgPool, subject: &str, rows: u64, chunk: u64) -> Result<(), BoxError> {
+    sqlx::raw_sql("TRUNCATE trellis_outbox")
+        .execute(pool)
+        .await?;
+    let mut n = 0;
+    while n < rows {
+        let take = (rows - n).min(chunk);
+        let records = (n..n + take)
+            .map(|i| PreparedOutboxRecord::event(NAME, subject, &event(i)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut tx = pool.begin().await?;
+        tx.enqueue_all(records).await?;
+        tx.commit().await?;
+        n += take;
+    }
+    sqlx::raw_sql("ANALYZE trellis_outbox")
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+async fn pending(pool: &PgPool) -> Result<i64, BoxError> {
+    Ok(
+        sqlx::query_scalar("SELECT count(*) FROM trellis_outbox WHERE state <> 'dispatched'")
+            .fetch_one(pool)
+            .await?,
+    )
+}
+
+/// The headers a relay publishes a row with: the stored ones, `Nats-Msg-Id` = row id.
+fn headers(id: &str, stored: &serde_json::Value) -> HeaderMap {
+    let mut map = HeaderMap::new();
+    if let Some(object) = stored.as_object() {
+        for (name, value) in object {
+            if let Some(value) = value.as_str()
+                && !name.eq_ignore_ascii_case("Nats-Msg-Id")
+            {
+                map.insert(name.as_str(), value);
+            }
+        }
+    }
+    map.insert("Nats-Msg-Id", id);
+    map
+}
+
+type RowTuple = (String, String, String, Json<serde_json::Value>);
+
+/// Baseline (a): claim 100 with SKIP LOCKED, pipelined publish with msg-id, one UPDATE.
+async fn naive_drain(pool: &PgPool, js: &Context) -> Result<u64, BoxError> {
+    let mut total = 0;
+    loop {
+        let mut tx = pool.begin().await?;
+        let rows: Vec<RowTuple> = sqlx::query_as(
+            "SELECT id, subject, payload, headers FROM trellis_outbox \
+             WHERE state IN ('pending', 'failed') AND (next_attempt_at IS NULL OR next_attempt_at <= now()) \
+             ORDER BY created_at, id LIMIT 100 FOR UPDATE SKIP LOCKED",
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        if rows.is_empty() {
+            tx.commit().await?;
+            return Ok(total);
+        }
+        let mut acks = Vec::with_capacity(rows.len());
+        let mut ids = Vec::with_capacity(rows.len());
+        for (id, subject, payload, stored) in rows {
+            let ack = js
+                .publish_with_headers(subject, headers(&id, &stored), payload.into())
+                .await?;
+            acks.push(ack);
+            ids.push(id);
+        }
+        for ack in acks {
+            ack.await?;
+        }
+        sqlx::query(
+            "UPDATE trellis_outbox SET state = 'dispatched', updated_at = now() WHERE id = ANY($1)",
+        )
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        total += ids.len() as u64;
+    }
+}
+
+/// Baseline (b), upstream's algorithm: claim 25 without a lock, then publish-and-await and
+/// update one row at a time.
+async fn upstream_drain(pool: &PgPool, js: &Context) -> Result<u64, BoxError> {
+    let mut total = 0;
+    loop {
+        let rows: Vec<RowTuple> = sqlx::query_as(
+            "SELECT id, subject, payload, headers FROM trellis_outbox \
+             WHERE state IN ('pending', 'failed') AND (next_attempt_at IS NULL OR next_attempt_at <= now()) \
+             ORDER BY created_at, id LIMIT 25",
+        )
+        .fetch_all(pool)
+        .await?;
+        if rows.is_empty() {
+            return Ok(total);
+        }
+        for (id, subject, payload, stored) in rows {
+            js.publish_with_headers(subject, headers(&id, &stored), payload.into())
+                .await?
+                .await?;
+            sqlx::query(
+                "UPDATE trellis_outbox SET state = 'dispatched', updated_at = now() WHERE id = $1",
+            )
+            .bind(&id)
+            .execute(pool)
+            .await?;
+            total += 1;
+        }
+    }
+}
+
+fn publisher(js: &Context, settings: Settings) -> JetStreamPublisher {
+    JetStreamPublisher::builder(js.clone())
+        .ack_window(settings.window)
+        .build()
+}
+
+/// Ours: `dispatch_outbox` until a claim comes back empty.
+async fn ours_drain(pool: &PgPool, js: &Context, settings: Settings) -> Result<u64, BoxError> {
+    let repo = PgOutboxRepository::new(pool.clone());
+    let report = dispatch_outbox(
+        &repo,
+        &publisher(js, settings),
+        DispatchOptions::new().batch_size(settings.batch),
+    )
+    .await?;
+    if report.failed + report.dead > 0 {
+        return Err(format!("dispatch_outbox reported {report:?}").into());
+    }
+    Ok(report.dispatched)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Ours,
+    Naive,
+    Upstream,
+    /// Ours with the stage timers of the sweep.
+    Timed,
+}
+
+static STAGES: std::sync::LazyLock<Arc<Stages>> = std::sync::LazyLock::new(Arc::default);
+
+/// Loads `rows`, purges the stream, times one drain, and verifies the result.
+async fn timed_drain(
+    pool: &PgPool,
+    js: &Context,
+    stream: &BenchStream,
+    side: Side,
+    rows: u64,
+    settings: Settings,
+) -> Result<f64, BoxError> {
+    let subject = stream.subject("Orders.Shipped");
+    load(pool, &subject, rows, 1_000).await?;
+    stream.purge().await?;
+    let start = Instant::now();
+    let drained = match side {
+        Side::Ours => ours_drain(pool, js, settings).await?,
+        Side::Naive => naive_drain(pool, js).await?,
+        Side::Upstream => upstream_drain(pool, js).await?,
+        Side::Timed => {
+            let stages = Arc::clone(&STAGES);
+            let report = dispatch_outbox(
+                &Timed {
+                    inner: PgOutboxRepository::new(pool.clone()),
+                    stages: stages.clone(),
+                },
+                &Timed {
+                    inner: publisher(js, settings),
+                    stages,
+                },
+                DispatchOptions::new().batch_size(settings.batch),
+            )
+            .await?;
+            report.dispatched
+        }
+    };
+    let elapsed = start.elapsed();
+    let in_stream = stream.count().await?;
+    let left = pending(pool).await?;
+    if drained != rows || in_stream != rows || left != 0 {
+        return Err(format!(
+            "{side:?}: loaded {rows}, drained {drained}, stream holds {in_stream}, {left} rows not dispatched"
+        )
+        .into());
+    }
+    let rate = rows as f64 / elapsed.as_secs_f64();
+    println!("  {side:?} {rows} rows: {rate:>9.0} rows/s ({elapsed:.2?})");
+    Ok(rate)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// One line of the human-readable summary table.
+type TableRow = (String, String, String);
+
+async fn bench_throughput(settings: Settings, table: &mut Vec<TableRow>) -> Result<(), BoxError> {
+    let (rounds, rows, small) = if settings.quick {
+        (3, 20_000, 2_000)
+    } else {
+        (3, 100_000, 5_000)
+    };
+    let pg = TestPg::new().await;
+    trellis_outbox::migrate(&pg.pool).await?;
+    let js = trellis_outbox_tests::nats::jetstream().await;
+    let stream = BenchStream::create(&js).await?;
+    println!(
+        "throughput: {rounds} rounds; {rows} rows for ours vs naive, {small} rows for ours vs upstream; \
+         ours = dispatch_outbox batch_size {} ack_window {}; file-backed stream {}",
+        settings.batch, settings.window, stream.name
+    );
+    let outcome = async {
+        let (mut ours, mut naive, mut ours_small, mut upstream) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for round in 0..rounds {
+            println!(" round {}", round + 1);
+            let flip = round % 2 == 1;
+            for side in if flip {
+                [Side::Naive, Side::Ours]
+            } else {
+                [Side::Ours, Side::Naive]
+            } {
+                let rate = timed_drain(&pg.pool, &js, &stream, side, rows, settings).await?;
+                match side {
+                    Side::Ours => ours.push(rate),
+                    _ => naive.push(rate),
+                }
+            }
+            for side in if flip {
+                [Side::Ours, Side::Upstream]
+            } else {
+                [Side::Upstream, Side::Ours]
+            } {
+                let rate = timed_drain(&pg.pool, &js, &stream, side, small, settings).await?;
+                match side {
+                    Side::Ours => ours_small.push(rate),
+                    _ => upstream.push(rate),
+                }
+            }
+        }
+        Ok::<_, BoxError>((ours, naive, ours_small, upstream))
+    }
+    .await;
+    stream.delete().await;
+    pg.close().await;
+    let (ours, naive, ours_small, upstream) = outcome?;
+    for (name, what, ours, base, target) in [
+        (
+            "relay_vs_naive",
+            format!("{rows} rows: naive SKIP LOCKED relay (100, pipelined)"),
+            ours,
+            naive,
+            1.5,
+        ),
+        (
+            "relay_vs_upstream",
+            format!("{small} rows: upstream (claim 25, publish+ack+update per row)"),
+            ours_small,
+            upstream,
+            20.0,
+        ),
+    ] {
+        let ratio = median(ours.iter().zip(&base).map(|(o, b)| o / b).collect());
+        let (o, b) = (median(ours), median(base));
+        println!("BENCH name={name} ours={o:.0} baseline={b:.0} ratio={ratio:.3}");
+        table.push((
+            name.to_owned(),
+            format!("{what}: baseline {b:.0}/s, ours {o:.0}/s"),
+            format!(
+                "ratio {ratio:.2} (target >= {target}) {}",
+                if ratio >= target { "met" } else { "MISSED" }
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or_default()
+}
+
+/// Commits `count` events, one per transaction, starting one every `interval` (open loop:
+/// each transaction runs in its own task, as concurrent request handlers would, so a slow
+/// commit does not lower the offered rate); returns `(seq, wall-clock ns just before
+/// commit)`. Calls `after_commit` after each commit.
+async fn produce(
+    pool: &PgPool,
+    subject: &str,
+    count: u64,
+    interval: Duration,
+    after_commit: impl Fn() + Clone + Send + Sync + 'static,
+) -> Result<Vec<(u64, u64)>, BoxError> {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut tasks = tokio::task::JoinSet::new();
+    for seq in 0..count {
+        ticker.tick().await;
+        let record =
+            PreparedOutboxRecord::event(NAME, subject, &serde_json::json!({ "seq": seq }))?;
+        let (pool, after_commit) = (pool.clone(), after_commit.clone());
+        tasks.spawn(async move {
+            let mut tx = pool.begin().await?;
+            tx.enqueue(&record).await?;
+            let t = now_ns();
+            tx.commit().await?;
+            after_commit();
+            Ok::<_, BoxError>((seq, t))
+        });
+    }
+    let mut out = Vec::with_capacity(count as usize);
+    while let Some(result) = tasks.join_next().await {
+        out.push(result??);
+    }
+    out.sort_unstable();
+    Ok(out)
+}
+
+/// Collects `(seq, receive ns)` from a core NATS subscription until `count` arrived.
+async fn receive(mut sub: async_nats::Subscriber, count: u64, seen: Arc<Mutex<Vec<(u64, u64)>>>) {
+    let mut n = 0;
+    while n < count {
+        let Some(message) = sub.next().await else {
+            return;
+        };
+        let t = now_ns();
+        let seq = serde_json::from_slice::<serde_json::Value>(&message.payload)
+            .ok()
+            .and_then(|v| v["seq"].as_u64());
+        if let Some(seq) = seq {
+            seen.lock().expect("not poisoned").push((seq, t));
+            n += 1;
+        }
+    }
+}
+
+/// Latency samples in ms, warm-up dropped; fails if an event never arrived.
+fn latencies(mode: &str, sent: &[(u64, u64)], seen: &[(u64, u64)]) -> Result<Vec<f64>, BoxError> {
+    let mut received = vec![None; sent.len()];
+    for &(seq, t) in seen {
+        if let Some(slot) = received.get_mut(seq as usize) {
+            slot.get_or_insert(t);
+        }
+    }
+    let warmup = sent.len() / 20;
+    let mut out = Vec::with_capacity(sent.len());
+    for &(seq, t0) in &sent[warmup..] {
+        let t1 = received[seq as usize]
+            .ok_or_else(|| format!("{mode}: event {seq} never arrived on the subscription"))?;
+        out.push(t1.saturating_sub(t0) as f64 / 1e6);
+    }
+    out.sort_by(f64::total_cmp);
+    Ok(out)
+}
+
+fn report_latency(
+    name: &str,
+    what: &str,
+    sent: &[(u64, u64)],
+    samples: &[f64],
+    target_p99: f64,
+    table: &mut Vec<TableRow>,
+) {
+    let (p50, p99, max) = (
+        percentile(samples, 50.0),
+        percentile(samples, 99.0),
+        samples[samples.len() - 1],
+    );
+    let span_ns = sent
+        .last()
+        .map_or(0, |l| l.1)
+        .saturating_sub(sent.first().map_or(0, |f| f.1));
+    let rate = sent.len() as f64 / (span_ns.max(1) as f64 / 1e9);
+    println!("LATENCY name={name} p50_ms={p50:.3} p99_ms={p99:.3}");
+    table.push((
+        name.to_owned(),
+        format!(
+            "{what}: {} events at {rate:.0}/s, p50 {p50:.2} ms, max {max:.2} ms",
+            samples.len()
+        ),
+        format!(
+            "p99 {p99:.2} ms (target < {target_p99} ms) {}",
+            if p99 < target_p99 { "met" } else { "MISSED" }
+        ),
+    ));
+}
+
+async fn wait_for(seen: &Mutex<Vec<(u64, u64)>>, count: u64) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while (seen.lock().expect("not poisoned").len() as u64) < count && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<(), BoxError> {
+    let count: u64 = if settings.quick { 3_000 } else { 10_000 };
+    let interval = Duration::from_millis(1);
+    let pg = TestPg::new().await;
+    trellis_outbox::migrate(&pg.pool).await?;
+    let js = trellis_outbox_tests::nats::jetstream().await;
+    let stream = BenchStream::create(&js).await?;
+    let sub_client = async_nats::connect(trellis_outbox_tests::nats_url()).await?;
+    println!(
+        "latency: {count} events, one per transaction every {interval:?}; commit -> core NATS \
+         subscription; dispatcher batch_size {} ack_window {}",
+        settings.batch, settings.window
+    );
+    let outcome = async {
+        // (i) in-process notify.
+        let subject = stream.subject("lat.inprocess");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let sub = sub_client.subscribe(subject.clone()).await?;
+        sub_client.flush().await?;
+        let receiver = tokio::spawn(receive(sub, count, seen.clone()));
+        let dispatcher = OutboxDispatcher::builder(
+            PgOutboxRepository::new(pg.pool.clone()),
+            publisher(&js, settings),
+        )
+        .batch_size(settings.batch)
+        .start()?;
+        let handle = dispatcher.handle();
+        let notify = handle.clone();
+        let sent = produce(&pg.pool, &subject, count, interval, move || notify.notify()).await?;
+        wait_for(&seen, count).await;
+        dispatcher.shutdown().await;
+        receiver.abort();
+        let samples = latencies("inprocess", &sent, &seen.lock().expect("not poisoned"))?;
+        report_latency(
+            "inprocess",
+            "same process, notify() after commit",
+            &sent,
+            &samples,
+            10.0,
+            table,
+        );
+
+        // (ii) LISTEN/NOTIFY, producer in another process.
+        sqlx::raw_sql("TRUNCATE trellis_outbox")
+            .execute(&pg.pool)
+            .await?;
+        let subject = stream.subject("lat.listen");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let sub = sub_client.subscribe(subject.clone()).await?;
+        sub_client.flush().await?;
+        let receiver = tokio::spawn(receive(sub, count, seen.clone()));
+        let dispatcher = OutboxDispatcher::builder(
+            PgOutboxRepository::new(pg.pool.clone()),
+            publisher(&js, settings),
+        )
+        .batch_size(settings.batch)
+        .start()?;
+        let handle = dispatcher.handle();
+        let wakeups =
+            PgWakeups::listen(&pg.pool, &OutboxTables::default(), move || handle.notify()).await?;
+        let child = tokio::process::Command::new(std::env::current_exe()?)
+            .args([
+                "--producer",
+                &pg.name,
+                &subject,
+                &count.to_string(),
+                &interval.as_micros().to_string(),
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()?;
+        let output = child.wait_with_output().await?;
+        if !output.status.success() {
+            return Err(format!("producer process failed: {}", output.status).into());
+        }
+        let sent: Vec<(u64, u64)> = String::from_utf8(output.stdout)?
+            .lines()
+            .filter_map(|line| {
+                let (seq, t) = line.split_once(' ')?;
+                Some((seq.parse().ok()?, t.parse().ok()?))
+            })
+            .collect();
+        if sent.len() as u64 != count {
+            return Err(format!("producer reported {} of {count} commits", sent.len()).into());
+        }
+        wait_for(&seen, count).await;
+        wakeups.stop().await;
+        dispatcher.shutdown().await;
+        receiver.abort();
+        let samples = latencies("listen_notify", &sent, &seen.lock().expect("not poisoned"))?;
+        report_latency(
+            "listen_notify",
+            "producer in another process, PgWakeups LISTEN",
+            &sent,
+            &samples,
+            25.0,
+            table,
+        );
+        Ok::<_, BoxError>(())
+    }
+    .await;
+    stream.delete().await;
+    pg.close().await;
+    outcome
+}
+
+/// The child process of the LISTEN/NOTIFY latency run: commits events on its own pool and
+/// prints `seq commit_ns` per event.
+async fn producer_child(args: &[String]) -> Result<(), BoxError> {
+    let [db, subject, count, interval_us] = args else {
+        return Err("usage: --producer <database> <subject> <count> <interval_us>".into());
+    };
+    let options: sqlx::postgres::PgConnectOptions = trellis_outbox_tests::database_url().parse()?;
+    let pool = sqlx::pool::PoolOptions::<Postgres>::new()
+        .max_connections(16)
+        .connect_with(options.database(db))
+        .await?;
+    let sent = produce(
+        &pool,
+        subject,
+        count.parse()?,
+        Duration::from_micros(interval_us.parse()?),
+        || {},
+    )
+    .await?;
+    pool.close().await;
+    let mut out = String::with_capacity(sent.len() * 24);
+    for (seq, t) in sent {
+        out.push_str(&format!("{seq} {t}\n"));
+    }
+    print!("{out}");
+    Ok(())
+}
+
+/// `VmRSS` and `VmHWM` of this process in MiB.
+fn rss_mb() -> (f64, f64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|rest| rest.split_whitespace().next()?.parse::<f64>().ok())
+            .map_or(0.0, |kb| kb / 1024.0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+async fn bench_rss(settings: Settings, table: &mut Vec<TableRow>) -> Result<(), BoxError> {
+    let rows: u64 = if settings.quick { 100_000 } else { 1_000_000 };
+    let pg = TestPg::new().await;
+    trellis_outbox::migrate(&pg.pool).await?;
+    let js = trellis_outbox_tests::nats::jetstream().await;
+    let stream = BenchStream::create(&js).await?;
+    println!(
+        "rss: load {rows} rows (untimed), then dispatch_outbox (batch_size {}, ack_window {}) to \
+         file-backed JetStream stream {}, sampling VmRSS every 100 ms",
+        settings.batch, settings.window, stream.name
+    );
+    let outcome = async {
+        let load_start = Instant::now();
+        load(&pg.pool, &stream.subject("Orders.Shipped"), rows, 5_000).await?;
+        let (before, hwm_load) = rss_mb();
+        println!(
+            "  loaded in {:.1?}; RSS before drain {before:.1} MB (VmHWM so far {hwm_load:.1} MB)",
+            load_start.elapsed()
+        );
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sampler = tokio::spawn({
+            let done = done.clone();
+            async move {
+                let mut samples = Vec::new();
+                let mut ticker = tokio::time::interval(Duration::from_millis(100));
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    ticker.tick().await;
+                    samples.push(rss_mb().0);
+                }
+                samples
+            }
+        });
+        let start = Instant::now();
+        let drained = ours_drain(&pg.pool, &js, settings).await?;
+        let elapsed = start.elapsed();
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        let samples = sampler.await?;
+        let in_stream = stream.count().await?;
+        if drained != rows || in_stream != rows {
+            return Err(
+                format!("rss: loaded {rows}, drained {drained}, stream holds {in_stream}").into(),
+            );
+        }
+        let peak = samples.iter().copied().fold(before, f64::max);
+        let tenth = samples.len() / 10;
+        let trace: Vec<String> = (0..10)
+            .map(|i| format!("{:.0}", samples[(i * tenth).min(samples.len() - 1)]))
+            .collect();
+        println!(
+            "  drained {rows} rows in {elapsed:.1?} ({:.0} rows/s); {} samples; RSS at each tenth (MB): {}",
+            rows as f64 / elapsed.as_secs_f64(),
+            samples.len(),
+            trace.join(" ")
+        );
+        println!("RSS name=drain_1m peak_mb={peak:.1}");
+        table.push((
+            "drain_1m".to_owned(),
+            format!(
+                "{rows} rows to JetStream: RSS {before:.0} MB before drain, at tenths {} MB",
+                trace.join("/")
+            ),
+            format!(
+                "peak {peak:.1} MB (target < 100 MB, flat) {}",
+                if peak < 100.0 { "met" } else { "MISSED" }
+            ),
+        ));
+        Ok::<_, BoxError>(())
+    }
+    .await;
+    stream.delete().await;
+    pg.close().await;
+    outcome
+}
+
+/// Wall time spent in each stage of the dispatcher, for the sweep's breakdown.
+#[derive(Default)]
+struct Stages {
+    claim_ns: AtomicU64,
+    publish_ns: AtomicU64,
+    mark_ns: AtomicU64,
+    batches: AtomicU64,
+}
+
+impl Stages {
+    fn add(counter: &AtomicU64, since: Instant) {
+        counter.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    fn take(&self) -> String {
+        let ms = |c: &AtomicU64| c.swap(0, Ordering::Relaxed) as f64 / 1e6;
+        let batches = self.batches.swap(0, Ordering::Relaxed).max(1) as f64;
+        let (claim, publish, mark) = (ms(&self.claim_ns), ms(&self.publish_ns), ms(&self.mark_ns));
+        format!(
+            "per batch: claim {:.2} ms, publish {:.2} ms, mark {:.2} ms",
+            claim / batches,
+            publish / batches,
+            mark / batches
+        )
+    }
+}
+
+/// A repository and publisher wrapper that times each stage.
+struct Timed<T> {
+    inner: T,
+    stages: Arc<Stages>,
+}
+
+impl<R: OutboxRepository> OutboxRepository for Timed<R> {
+    async fn claim_due(
+        &self,
+        limit: usize,
+        lease: Duration,
+        cutoff: Option<chrono::DateTime<chrono::Utc>>,
+    ) -> trellis_outbox::Result<Claim> {
+        let start = Instant::now();
+        let claim = self.inner.claim_due(limit, lease, cutoff).await;
+        Stages::add(&self.stages.claim_ns, start);
+        self.stages.batches.fetch_add(1, Ordering::Relaxed);
+        claim
+    }
+
+    async fn mark_dispatched(
+        &self,
+        claim: &Claim,
+        rows: &[Dispatched],
+    ) -> trellis_outbox::Result<u64> {
+        let start = Instant::now();
+        let n = self.inner.mark_dispatched(claim, rows).await;
+        Stages::add(&self.stages.mark_ns, start);
+        n
+    }
+
+    fn mark_failed(
+        &self,
+        claim: &Claim,
+        id: &str,
+        error: &str,
+        retry_after: Duration,
+    ) -> impl Future<Output = trellis_outbox::Result<bool>> + Send {
+        self.inner.mark_failed(claim, id, error, retry_after)
+    }
+
+    fn mark_dead(
+        &self,
+        claim: &Claim,
+        id: &str,
+        reason: &str,
+        count_attempt: bool,
+    ) -> impl Future<Output = trellis_outbox::Result<bool>> + Send {
+        self.inner.mark_dead(claim, id, reason, count_attempt)
+    }
+
+    fn release(
+        &self,
+        claim: &Claim,
+        ids: &[&str],
+    ) -> impl Future<Output = trellis_outbox::Result<u64>> + Send {
+        self.inner.release(claim, ids)
+    }
+
+    fn retry(&self, id: &str) -> impl Future<Output = trellis_outbox::Result<bool>> + Send {
+        self.inner.retry(id)
+    }
+
+    fn next_due_in(&self) -> impl Future<Output = trellis_outbox::Result<Option<Duration>>> + Send {
+        self.inner.next_due_in()
+    }
+}
+
+impl<P: Publisher> Publisher for Timed<P> {
+    async fn publish_batch(
+        &self,
+        messages: &[OutboxMessage],
+    ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
+        let start = Instant::now();
+        let out = self.inner.publish_batch(messages).await;
+        Stages::add(&self.stages.publish_ns, start);
+        out
+    }
+}
+
+/// Ours at several batch sizes and ack windows, with the naive relay between them for
+/// reference (to choose the defaults; not part of the default run).
+async fn sweep(settings: Settings) -> Result<(), BoxError> {
+    let rows = if settings.quick { 20_000 } else { 50_000 };
+    let pg = TestPg::new().await;
+    trellis_outbox::migrate(&pg.pool).await?;
+    let js = trellis_outbox_tests::nats::jetstream().await;
+    let stream = BenchStream::create(&js).await?;
+    let outcome = async {
+        for round in 0..2 {
+            println!(" sweep round {}", round + 1);
+            timed_drain(&pg.pool, &js, &stream, Side::Naive, rows, settings).await?;
+            for batch in [100, 250, 500, 1000, 2000] {
+                for window in [256, 1024] {
+                    let s = Settings {
+                        batch,
+                        window,
+                        ..settings
+                    };
+                    print!("  batch {batch:>4} window {window:>4}:");
+                    timed_drain(&pg.pool, &js, &stream, Side::Timed, rows, s).await?;
+                    println!("      {}", STAGES.take());
+                }
+            }
+        }
+        Ok::<_, BoxError>(())
+    }
+    .await;
+    stream.delete().await;
+    pg.close().await;
+    outcome
+}
+
+/// Runs the RSS part in a fresh copy of this binary and passes its lines through.
+async fn rss_in_child(settings: Settings, table: &mut Vec<TableRow>) -> Result<(), BoxError> {
+    let mut args = vec![
+        "rss".to_owned(),
+        "--batch".to_owned(),
+        settings.batch.to_string(),
+        "--window".to_owned(),
+        settings.window.to_string(),
+        "--no-table".to_owned(),
+    ];
+    if settings.quick {
+        args.push("--quick".to_owned());
+    }
+    let output = tokio::process::Command::new(std::env::current_exe()?)
+        .args(&args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()?
+        .wait_with_output()
+        .await?;
+    let text = String::from_utf8(output.stdout)?;
+    for line in text.lines() {
+        if line.starts_with("done in") {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("TABLE ") {
+            let mut parts = rest.splitn(3, '\t');
+            if let (Some(a), Some(b), Some(c)) = (parts.next(), parts.next(), parts.next()) {
+                table.push((a.to_owned(), b.to_owned(), c.to_owned()));
+            }
+        } else {
+            println!("{line}");
+        }
+    }
+    if !output.status.success() {
+        return Err(format!("rss child process failed: {}", output.status).into());
+    }
+    Ok(())
+}
+
+fn arg_value(args: &[String], name: &str, default: usize) -> Result<usize, BoxError> {
+    match args.iter().position(|a| a == name) {
+        Some(i) => Ok(args
+            .get(i + 1)
+            .ok_or_else(|| format!("{name} needs a value"))?
+            .parse()?),
+        None => Ok(default),
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("--producer") {
+        return producer_child(&args[1..]).await;
+    }
+    let settings = Settings {
+        quick: args.iter().any(|a| a == "--quick"),
+        batch: arg_value(&args, "--batch", 500)?,
+        window: arg_value(&args, "--window", trellis_outbox::DEFAULT_ACK_WINDOW)?,
+    };
+    let no_table = args.iter().any(|a| a == "--no-table");
+    let mut which = Vec::new();
+    let mut skip = false;
+    for a in &args {
+        if skip {
+            skip = false;
+        } else if a == "--batch" || a == "--window" {
+            skip = true;
+        } else if !a.starts_with("--") {
+            which.push(a.as_str());
+        }
+    }
+    let started = Instant::now();
+    let mut table = Vec::new();
+    match which.as_slice() {
+        ["throughput"] => bench_throughput(settings, &mut table).await?,
+        ["latency"] => bench_latency(settings, &mut table).await?,
+        ["rss"] => bench_rss(settings, &mut table).await?,
+        ["sweep"] => sweep(settings).await?,
+        [] => {
+            bench_throughput(settings, &mut table).await?;
+            bench_latency(settings, &mut table).await?;
+            rss_in_child(settings, &mut table).await?;
+        }
+        other => {
+            eprintln!("unknown part {other:?}; available: throughput, latency, rss");
+            std::process::exit(2);
+        }
+    }
+    if no_table {
+        for (a, b, c) in &table {
+            println!("TABLE {a}\t{b}\t{c}");
+        }
+    } else {
+        println!();
+        println!("{:<18} {:<100} result", "name", "measured");
+        for (a, b, c) in &table {
+            println!("{a:<18} {b:<100} {c}");
+        }
+    }
+    println!("done in {:.1?}", started.elapsed());
+    Ok(())
+}
