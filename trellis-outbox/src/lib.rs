@@ -32,12 +32,12 @@
 //! ```no_run
 //! use trellis_outbox::OutboxTransactionExt;
 //!
-//! # async fn handle(pool: sqlx::PgPool, message_id: &str) -> Result<(), trellis_outbox::Error> {
-//! # let mut tx = pool.begin().await.unwrap();
+//! # async fn handle(pool: sqlx::PgPool, message_id: &str) -> Result<(), Box<dyn std::error::Error>> {
+//! # let mut tx = pool.begin().await?;
 //! if tx.record_inbox(message_id).await?.is_accepted() {
 //!     // apply the message's effects with `&mut *tx` …
 //! }
-//! # tx.commit().await.unwrap();
+//! # tx.commit().await?;
 //! # Ok(()) }
 //! ```
 //!
