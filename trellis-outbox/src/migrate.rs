@@ -275,7 +275,30 @@ pub async fn migrate_with<DB: crate::OutboxDatabase>(
     pool: &sqlx::Pool<DB>,
     tables: &OutboxTables,
 ) -> Result<MigrationReport> {
-    DB::migrate(pool, tables, migrations(DB::DIALECT, tables)).await
+    let mut tx = DB::begin_migration(pool)
+        .await
+        .map_err(migrate_error("begin"))?;
+    DB::run_ddl(&mut tx, bookkeeping_ddl(DB::DIALECT))
+        .await
+        .map_err(migrate_error("bookkeeping table"))?;
+    let recorded = DB::recorded_migrations(&mut tx, tables.outbox())
+        .await
+        .map_err(migrate_error("read applied migrations"))?;
+    let mut report = MigrationReport::default();
+    for m in plan(migrations(DB::DIALECT, tables), recorded, &mut report)? {
+        for statement in &m.up {
+            DB::run_ddl(&mut tx, statement)
+                .await
+                .map_err(migrate_error(&m.id))?;
+        }
+        DB::record_migration(&mut tx, tables.outbox(), &m)
+            .await
+            .map_err(migrate_error(&m.id))?;
+        tracing::info!(migration = %m.id, "applied outbox migration");
+        report.applied.push(m.id);
+    }
+    tx.commit().await.map_err(migrate_error("commit"))?;
+    Ok(report)
 }
 
 /// Checks what the database recorded against `migrations` and returns the ones still to apply.

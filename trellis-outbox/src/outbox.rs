@@ -36,11 +36,29 @@ pub(crate) mod sealed {
             message_id: &'a str,
         ) -> impl Future<Output = Result<InboxReceipt>> + Send + 'a;
 
-        fn migrate<'a>(
-            pool: &'a sqlx::Pool<Self>,
-            tables: &'a OutboxTables,
-            migrations: Vec<crate::migrate::SqlOutboxMigration>,
-        ) -> impl Future<Output = Result<crate::migrate::MigrationReport>> + Send + 'a;
+        /// Begins the migration transaction, serialised against concurrent migrators.
+        fn begin_migration(
+            pool: &sqlx::Pool<Self>,
+        ) -> impl Future<Output = sqlx::Result<Transaction<'static, Self>>> + Send;
+
+        /// `(version, id, checksum)` of the migrations recorded for `outbox`.
+        fn recorded_migrations<'a>(
+            tx: &'a mut Transaction<'static, Self>,
+            outbox: &'a str,
+        ) -> impl Future<Output = sqlx::Result<Vec<(i64, String, String)>>> + Send + 'a;
+
+        /// Runs one DDL statement.
+        fn run_ddl<'a>(
+            tx: &'a mut Transaction<'static, Self>,
+            statement: &'a str,
+        ) -> impl Future<Output = sqlx::Result<()>> + Send + 'a;
+
+        /// Records `migration` as applied to `outbox`.
+        fn record_migration<'a>(
+            tx: &'a mut Transaction<'static, Self>,
+            outbox: &'a str,
+            migration: &'a crate::migrate::SqlOutboxMigration,
+        ) -> impl Future<Output = sqlx::Result<()>> + Send + 'a;
     }
 }
 

@@ -5,15 +5,15 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use sqlx::postgres::{PgConnection, PgRow};
 use sqlx::types::Json;
-use sqlx::{AssertSqlSafe, Postgres};
+use sqlx::{AssertSqlSafe, Postgres, Transaction};
 
 use crate::error::{Error, Result};
-use crate::migrate::{MigrationReport, SqlOutboxMigration, bookkeeping_ddl, migrate_error, plan};
+use crate::migrate::SqlOutboxMigration;
 use crate::outbox::sealed::Backend;
 use crate::record::{InboxReceipt, OutboxMessage, PreparedOutboxRecord};
 use crate::row::{RawRow, batch_result, column};
 use crate::sql::{COLUMNS, SqlStatements};
-use crate::tables::{Dialect, OutboxTables};
+use crate::tables::Dialect;
 use crate::time::now_millis;
 
 /// Rows per `UNNEST` insert: bounds the size of one statement's arrays.
@@ -138,56 +138,50 @@ impl Backend for Postgres {
         })
     }
 
-    async fn migrate(
-        pool: &sqlx::PgPool,
-        tables: &OutboxTables,
-        migrations: Vec<SqlOutboxMigration>,
-    ) -> Result<MigrationReport> {
-        let mut tx = pool.begin().await.map_err(migrate_error("begin"))?;
+    async fn begin_migration(pool: &sqlx::PgPool) -> sqlx::Result<Transaction<'static, Postgres>> {
+        let mut tx = pool.begin().await?;
         // Serialises concurrent migrate calls; released at commit or rollback.
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(MIGRATE_LOCK_KEY)
             .execute(&mut *tx)
-            .await
-            .map_err(migrate_error("lock"))?;
-        sqlx::raw_sql(bookkeeping_ddl(Dialect::Postgres))
-            .execute(&mut *tx)
-            .await
-            .map_err(migrate_error("bookkeeping table"))?;
-        let recorded: Vec<(i32, String, String)> = sqlx::query_as(
-            "SELECT version, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = $1",
+            .await?;
+        Ok(tx)
+    }
+
+    async fn recorded_migrations(
+        tx: &mut Transaction<'static, Postgres>,
+        outbox: &str,
+    ) -> sqlx::Result<Vec<(i64, String, String)>> {
+        sqlx::query_as(
+            "SELECT version::int8, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = $1",
         )
-        .bind(tables.outbox())
-        .fetch_all(&mut *tx)
+        .bind(outbox)
+        .fetch_all(&mut **tx)
         .await
-        .map_err(migrate_error("read applied migrations"))?;
-        let recorded = recorded
-            .into_iter()
-            .map(|(v, id, c)| (i64::from(v), id, c))
-            .collect();
-        let mut report = MigrationReport::default();
-        for m in plan(migrations, recorded, &mut report)? {
-            for statement in &m.up {
-                sqlx::raw_sql(AssertSqlSafe(statement.as_str()))
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(migrate_error(&m.id))?;
-            }
-            sqlx::query(
-                "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum) VALUES ($1, $2, $3, $4)",
-            )
-            .bind(tables.outbox())
-            .bind(i32::try_from(m.version).unwrap_or(i32::MAX))
-            .bind(&m.id)
-            .bind(&m.checksum)
-            .execute(&mut *tx)
-            .await
-            .map_err(migrate_error(&m.id))?;
-            tracing::info!(migration = %m.id, "applied outbox migration");
-            report.applied.push(m.id);
-        }
-        tx.commit().await.map_err(migrate_error("commit"))?;
-        Ok(report)
+    }
+
+    async fn run_ddl(tx: &mut Transaction<'static, Postgres>, statement: &str) -> sqlx::Result<()> {
+        sqlx::raw_sql(AssertSqlSafe(statement))
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+
+    async fn record_migration(
+        tx: &mut Transaction<'static, Postgres>,
+        outbox: &str,
+        migration: &SqlOutboxMigration,
+    ) -> sqlx::Result<()> {
+        sqlx::query(
+            "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum) VALUES ($1, $2, $3, $4)",
+        )
+        .bind(outbox)
+        .bind(i32::try_from(migration.version).unwrap_or(i32::MAX))
+        .bind(&migration.id)
+        .bind(&migration.checksum)
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
     }
 }
 

@@ -4,15 +4,15 @@ use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use sqlx::sqlite::{SqliteConnection, SqliteRow};
-use sqlx::{AssertSqlSafe, Sqlite};
+use sqlx::{AssertSqlSafe, Sqlite, Transaction};
 
 use crate::error::{Error, Result};
-use crate::migrate::{MigrationReport, SqlOutboxMigration, bookkeeping_ddl, migrate_error, plan};
+use crate::migrate::SqlOutboxMigration;
 use crate::outbox::sealed::Backend;
 use crate::record::{InboxReceipt, OutboxMessage, PreparedOutboxRecord};
 use crate::row::{RawRow, batch_result, column};
 use crate::sql::{COLUMNS, SqlStatements};
-use crate::tables::{Dialect, OutboxTables};
+use crate::tables::Dialect;
 use crate::time::{format_timestamp, now_millis, parse_timestamp};
 
 /// Bind parameters per batch-insert row.
@@ -136,51 +136,48 @@ impl Backend for Sqlite {
         })
     }
 
-    async fn migrate(
+    async fn begin_migration(
         pool: &sqlx::SqlitePool,
-        tables: &OutboxTables,
-        migrations: Vec<SqlOutboxMigration>,
-    ) -> Result<MigrationReport> {
+    ) -> sqlx::Result<Transaction<'static, Sqlite>> {
         // BEGIN IMMEDIATE takes the write lock up front, serialising concurrent callers.
-        let mut tx = pool
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .map_err(migrate_error("begin"))?;
-        sqlx::raw_sql(bookkeeping_ddl(Dialect::Sqlite))
-            .execute(&mut *tx)
-            .await
-            .map_err(migrate_error("bookkeeping table"))?;
-        let recorded: Vec<(i64, String, String)> = sqlx::query_as(
+        pool.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    async fn recorded_migrations(
+        tx: &mut Transaction<'static, Sqlite>,
+        outbox: &str,
+    ) -> sqlx::Result<Vec<(i64, String, String)>> {
+        sqlx::query_as(
             "SELECT version, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = ?",
         )
-        .bind(tables.outbox())
-        .fetch_all(&mut *tx)
+        .bind(outbox)
+        .fetch_all(&mut **tx)
         .await
-        .map_err(migrate_error("read applied migrations"))?;
-        let mut report = MigrationReport::default();
-        for m in plan(migrations, recorded, &mut report)? {
-            for statement in &m.up {
-                sqlx::raw_sql(AssertSqlSafe(statement.as_str()))
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(migrate_error(&m.id))?;
-            }
-            sqlx::query(
-                "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum, applied_at) VALUES (?, ?, ?, ?, ?)",
-            )
-            .bind(tables.outbox())
-            .bind(i64::from(m.version))
-            .bind(&m.id)
-            .bind(&m.checksum)
-            .bind(format_timestamp(now_millis()))
-            .execute(&mut *tx)
-            .await
-            .map_err(migrate_error(&m.id))?;
-            tracing::info!(migration = %m.id, "applied outbox migration");
-            report.applied.push(m.id);
-        }
-        tx.commit().await.map_err(migrate_error("commit"))?;
-        Ok(report)
+    }
+
+    async fn run_ddl(tx: &mut Transaction<'static, Sqlite>, statement: &str) -> sqlx::Result<()> {
+        sqlx::raw_sql(AssertSqlSafe(statement))
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+
+    async fn record_migration(
+        tx: &mut Transaction<'static, Sqlite>,
+        outbox: &str,
+        migration: &SqlOutboxMigration,
+    ) -> sqlx::Result<()> {
+        sqlx::query(
+            "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum, applied_at) VALUES (?, ?, ?, ?, ?)",
+        )
+        .bind(outbox)
+        .bind(i64::from(migration.version))
+        .bind(&migration.id)
+        .bind(&migration.checksum)
+        .bind(format_timestamp(now_millis()))
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
     }
 }
 
