@@ -6,7 +6,6 @@
 
 use std::collections::HashMap;
 use std::str::FromStr;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
@@ -16,47 +15,16 @@ use trellis_outbox::{
     PreparedOutboxRecord, PublishError, Publisher, RetryPolicy, SqliteOutboxRepository,
     dispatch_outbox, migrate,
 };
+use trellis_outbox_tests::publisher::RecordingPublisher;
 use trellis_outbox_tests::{TestPg, TestSqlite, database_url};
 
-/// Counts every publish attempt per row id; fails the rows it is told to.
-#[derive(Default)]
-struct Recording {
-    attempts: Mutex<HashMap<String, u32>>,
-    fail_always: Mutex<Vec<String>>,
-    delay: Option<Duration>,
-}
-
-impl Recording {
-    fn attempts(&self) -> HashMap<String, u32> {
-        self.attempts.lock().unwrap().clone()
+/// How many times each row was published, from the recording publisher's attempts.
+fn attempt_counts(publisher: &RecordingPublisher) -> HashMap<String, u32> {
+    let mut counts = HashMap::new();
+    for attempt in publisher.attempts() {
+        *counts.entry(attempt.id).or_default() += 1;
     }
-}
-
-impl Publisher for Recording {
-    async fn publish_batch(
-        &self,
-        messages: &[OutboxMessage],
-    ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
-        if let Some(delay) = self.delay {
-            tokio::time::sleep(delay).await;
-        }
-        let fail = self.fail_always.lock().unwrap().clone();
-        let mut attempts = self.attempts.lock().unwrap();
-        messages
-            .iter()
-            .map(|m| {
-                *attempts.entry(m.id.clone()).or_default() += 1;
-                if fail.contains(&m.id) {
-                    Err(PublishError::retryable(std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        "no ack within 5 s",
-                    )))
-                } else {
-                    Ok(None)
-                }
-            })
-            .collect()
-    }
+    counts
 }
 
 fn record(n: usize) -> PreparedOutboxRecord {
@@ -116,7 +84,7 @@ async fn four_postgres_dispatchers_publish_20000_rows_exactly_once() {
     let db = TestPg::new().await;
     migrate(&db.pool).await.unwrap();
     let ids = load(&db.pool, 20_000).await;
-    let publisher = Arc::new(Recording::default());
+    let publisher = RecordingPublisher::new();
     let dispatchers: Vec<_> = (0..4)
         .map(|_| {
             OutboxDispatcher::builder(PgOutboxRepository::new(db.pool.clone()), publisher.clone())
@@ -130,7 +98,7 @@ async fn four_postgres_dispatchers_publish_20000_rows_exactly_once() {
         dispatcher.shutdown().await;
     }
 
-    let attempts = publisher.attempts();
+    let attempts = attempt_counts(&publisher);
     assert_eq!(attempts.len(), 20_000, "every row was published");
     let repeated: Vec<_> = attempts.iter().filter(|(_, n)| **n != 1).collect();
     assert!(
@@ -151,7 +119,7 @@ async fn two_sqlite_dispatchers_publish_every_row_exactly_once() {
     let db = TestSqlite::new().await;
     migrate(&db.pool).await.unwrap();
     load(&db.pool, 3_000).await;
-    let publisher = Arc::new(Recording::default());
+    let publisher = RecordingPublisher::new();
     let dispatchers: Vec<_> = (0..2)
         .map(|_| {
             OutboxDispatcher::builder(
@@ -179,7 +147,7 @@ async fn two_sqlite_dispatchers_publish_every_row_exactly_once() {
     for dispatcher in dispatchers {
         dispatcher.shutdown().await;
     }
-    let attempts = publisher.attempts();
+    let attempts = attempt_counts(&publisher);
     assert_eq!(attempts.len(), 3_000);
     assert!(attempts.values().all(|n| *n == 1));
 }
@@ -199,8 +167,8 @@ async fn retries_end_in_dead_and_poison_does_not_block<DB, R>(
         .await
         .unwrap();
     let ids = load(pool, 101).await;
-    let publisher = Recording::default();
-    publisher.fail_always.lock().unwrap().push(ids[0].clone());
+    let publisher = RecordingPublisher::new();
+    publisher.fail_always(&ids[0], "no ack within 5 s");
     let policy = RetryPolicy::new()
         .initial_delay(Duration::from_millis(1))
         .max_delay(Duration::from_millis(1))
@@ -225,12 +193,12 @@ async fn retries_end_in_dead_and_poison_does_not_block<DB, R>(
         assert_eq!(report.dead, expected_dead, "{report:?}");
     }
     assert_eq!(
-        publisher.attempts()[&ids[0]],
+        attempt_counts(&publisher)[&ids[0]],
         3,
         "three attempts, then dead"
     );
     assert!(
-        !publisher.attempts().contains_key("poison"),
+        publisher.attempt_count("poison") == 0,
         "an undecodable row is never published"
     );
     let later = dispatch_outbox(&repo, &publisher, options).await.unwrap();
