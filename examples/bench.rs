@@ -233,10 +233,9 @@ where
         ours(n + 1_000_000_000).await?;
         n += rows_per_op as u64;
     }
-    let (mut base_rates, mut our_rates) = (Vec::new(), Vec::new());
+    let mut rates = Rates::default();
     for round in 0..plan.rounds {
-        // Alternate which side goes first so neither always follows the other.
-        for side in [round % 2, 1 - round % 2] {
+        for side in sides(round) {
             let start = Instant::now();
             for _ in 0..plan.ops_per_round {
                 if side == 0 {
@@ -248,23 +247,49 @@ where
             }
             let rate =
                 (plan.ops_per_round as usize * rows_per_op) as f64 / start.elapsed().as_secs_f64();
-            if side == 0 {
-                base_rates.push(rate)
-            } else {
-                our_rates.push(rate)
-            }
+            rates.push(side, rate);
         }
     }
-    let ratios = our_rates
-        .iter()
-        .zip(&base_rates)
-        .map(|(o, b)| o / b)
-        .collect();
-    Ok(Outcome {
-        baseline: median(base_rates),
-        ours: median(our_rates),
-        ratio: median(ratios),
-    })
+    Ok(rates.outcome())
+}
+
+/// The order of the two sides (0 = baseline, 1 = ours) in `round`: alternating, so neither
+/// always runs right after the other.
+fn sides(round: usize) -> [usize; 2] {
+    [round % 2, 1 - round % 2]
+}
+
+/// Per-round rates of both sides.
+#[derive(Default)]
+struct Rates {
+    baseline: Vec<f64>,
+    ours: Vec<f64>,
+}
+
+impl Rates {
+    fn push(&mut self, side: usize, rate: f64) {
+        if side == 0 {
+            self.baseline.push(rate);
+        } else {
+            self.ours.push(rate);
+        }
+    }
+
+    /// Medians of each side's rates, and the median of the per-round ratios, so slow drift
+    /// cancels out.
+    fn outcome(self) -> Outcome {
+        let ratios = self
+            .ours
+            .iter()
+            .zip(&self.baseline)
+            .map(|(o, b)| o / b)
+            .collect();
+        Outcome {
+            baseline: median(self.baseline),
+            ours: median(self.ours),
+            ratio: median(ratios),
+        }
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -566,9 +591,9 @@ where
     FB: Future<Output = Result<u64, BoxError>>,
     FO: Future<Output = Result<u64, BoxError>>,
 {
-    let (mut base_rates, mut our_rates) = (Vec::new(), Vec::new());
+    let mut rates = Rates::default();
     for round in 0..rounds {
-        for side in [round % 2, 1 - round % 2] {
+        for side in sides(round) {
             load(pool, rows).await?;
             let start = Instant::now();
             let drained = if side == 0 {
@@ -580,23 +605,10 @@ where
             if drained != rows {
                 return Err(format!("drained {drained} rows, loaded {rows}").into());
             }
-            if side == 0 {
-                base_rates.push(rate)
-            } else {
-                our_rates.push(rate)
-            }
+            rates.push(side, rate);
         }
     }
-    let ratios = our_rates
-        .iter()
-        .zip(&base_rates)
-        .map(|(o, b)| o / b)
-        .collect();
-    Ok(Outcome {
-        baseline: median(base_rates),
-        ours: median(our_rates),
-        ratio: median(ratios),
-    })
+    Ok(rates.outcome())
 }
 
 /// trellis-outbox's one-shot drain with the same batch size (100).
