@@ -1022,3 +1022,127 @@ async fn real_time_multi_thread_publishes_each_row_once() {
             .all(|m| m.state == OutboxMessageState::Dispatched)
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// Overlapping batches (the memory repository overlaps, as Postgres does)
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(start_paused = true)]
+async fn overlapping_claims_the_next_batch_while_one_is_published() {
+    let repo = Arc::new(MemoryOutboxRepository::new());
+    assert!(repo.overlaps_batches());
+    for id in ["a", "b", "c", "d", "e", "f"] {
+        repo.enqueue(&prepared(id)).unwrap();
+    }
+    let publisher = RecordingPublisher::new();
+    let gate = publisher.hold("a");
+    let dispatcher = OutboxDispatcher::builder(repo.clone(), publisher.clone())
+        .batch_size(2)
+        .idle_interval(LONG)
+        .start()
+        .unwrap();
+    assert!(publisher.wait_for_attempts(2, WAIT).await);
+    // While [a, b] is held in publishing, [c, d] is claimed, and nothing beyond it.
+    assert!(eventually(|| repo.is_leased("c") && repo.is_leased("d")).await);
+    settle().await;
+    assert!(!repo.is_leased("e"), "claimed two batches ahead");
+    assert_eq!(publisher.attempt_count("c"), 0);
+    assert_eq!(publisher.max_concurrent_batches(), 1);
+    gate.open();
+    assert!(
+        eventually(|| ["a", "b", "c", "d", "e", "f"]
+            .iter()
+            .all(|id| state(&repo, id) == OutboxMessageState::Dispatched))
+        .await
+    );
+    dispatcher.shutdown().await;
+    assert_eq!(publisher.total_attempts(), 6, "a row was published twice");
+    assert_eq!(publisher.successes(), ["a", "b", "c", "d", "e", "f"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_releases_the_batch_claimed_ahead() {
+    let repo = Arc::new(MemoryOutboxRepository::new());
+    for id in ["a", "b", "c", "d"] {
+        repo.enqueue(&prepared(id)).unwrap();
+    }
+    let publisher = RecordingPublisher::new();
+    let gate = publisher.hold("a");
+    let dispatcher = OutboxDispatcher::builder(repo.clone(), publisher.clone())
+        .batch_size(2)
+        .idle_interval(LONG)
+        .start()
+        .unwrap();
+    assert!(eventually(|| repo.is_leased("c")).await);
+    let stopping = tokio::spawn(dispatcher.shutdown());
+    settle().await;
+    gate.open();
+    stopping.await.unwrap();
+    // The published batch is marked; the one claimed ahead was never attempted and is free.
+    assert_eq!(state(&repo, "a"), OutboxMessageState::Dispatched);
+    assert_eq!(state(&repo, "b"), OutboxMessageState::Dispatched);
+    for id in ["c", "d"] {
+        assert_eq!(state(&repo, id), OutboxMessageState::Pending);
+        assert!(!repo.is_leased(id), "{id} is still leased");
+        assert_eq!(publisher.attempt_count(id), 0);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Publisher start-up hook
+// ---------------------------------------------------------------------------------------
+
+/// A publisher that records when `on_start` ran, relative to publishes.
+#[derive(Debug, Default)]
+struct StartProbe {
+    events: Mutex<Vec<String>>,
+}
+
+impl trellis_outbox::Publisher for StartProbe {
+    async fn publish_batch(
+        &self,
+        messages: &[trellis_outbox::OutboxMessage],
+    ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
+        let mut events = self.events.lock().unwrap();
+        messages
+            .iter()
+            .map(|m| {
+                events.push(format!("publish {}", m.id));
+                Ok(None)
+            })
+            .collect()
+    }
+
+    async fn on_start(&self, retry_policy: &RetryPolicy) {
+        self.events
+            .lock()
+            .unwrap()
+            .push(format!("start {:?}", retry_policy.longest_delay()));
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn publisher_on_start_runs_once_before_the_first_drain() {
+    let repo = Arc::new(MemoryOutboxRepository::new());
+    repo.enqueue(&prepared("left_over")).unwrap();
+    let publisher = Arc::new(StartProbe::default());
+    let policy = no_jitter(Duration::from_secs(7)).max_attempts(3);
+    let dispatcher = OutboxDispatcher::builder(repo.clone(), publisher.clone())
+        .retry_policy(policy)
+        .idle_interval(LONG)
+        .start()
+        .unwrap();
+    assert!(eventually(|| state(&repo, "left_over") == OutboxMessageState::Dispatched).await);
+    repo.enqueue(&prepared("later")).unwrap();
+    dispatcher.notify();
+    assert!(eventually(|| state(&repo, "later") == OutboxMessageState::Dispatched).await);
+    dispatcher.shutdown().await;
+    assert_eq!(
+        *publisher.events.lock().unwrap(),
+        [
+            format!("start {:?}", policy.longest_delay()),
+            "publish left_over".to_owned(),
+            "publish later".to_owned(),
+        ]
+    );
+}

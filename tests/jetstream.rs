@@ -667,3 +667,48 @@ fn headers_overlay_the_row_id() {
         assert!(headers.get("Trellis-Event-Time").is_some());
     });
 }
+
+#[tokio::test]
+async fn a_dispatcher_checks_its_streams_at_start_without_blocking_on_a_missing_one() {
+    let js = jetstream().await;
+    let stream = TestStream::events(&js).await;
+    let s = stream.clone();
+    stream
+        .run(async move {
+            let db = sqlite().await;
+            let captured = s.subject("orders.placed");
+            let missing = format!("{}x.orders.placed", s.token);
+            let publisher = JetStreamPublisher::builder(js.clone())
+                .check_streams_at_start([captured.clone(), missing])
+                .build();
+            let rows = enqueue(&db, vec![event(captured.clone(), 1)]).await;
+            let started = Instant::now();
+            let dispatcher = trellis_outbox::OutboxDispatcher::builder(
+                trellis_outbox::SqliteOutboxRepository::new(db.pool.clone()),
+                publisher,
+            )
+            .start()
+            .unwrap();
+            // The start-up drain runs after the check and delivers the left-over row.
+            while s.count().await < 1 && started.elapsed() < Duration::from_secs(10) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert_eq!(
+                s.count().await,
+                1,
+                "the row was not delivered after the check"
+            );
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "the stream check held up the first drain for {:?}",
+                started.elapsed()
+            );
+            dispatcher.shutdown().await;
+            let messages = s.messages().await;
+            assert_eq!(
+                header(&messages[0], "Nats-Msg-Id"),
+                Some(rows[0].id.as_str())
+            );
+        })
+        .await;
+}

@@ -1,5 +1,7 @@
-//! Postgres LISTEN/NOTIFY wake-ups: sent by enqueue, delivered only on commit, and the
-//! listener survives a terminated connection (re-LISTEN, then one re-scan wake-up).
+//! Postgres LISTEN/NOTIFY wake-ups: sent by enqueue, delivered only on commit, the
+//! listener survives a terminated connection (re-LISTEN, then one re-scan wake-up), an
+//! outbox built without NOTIFY sends none, and a dispatcher built with `listen_postgres`
+//! wakes on commits nobody told it about.
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
@@ -9,9 +11,11 @@ use std::time::Duration;
 
 use serde_json::json;
 use trellis_outbox::{
-    OutboxTables, OutboxTransactionExt, PgWakeups, PreparedOutboxRecord, migrate,
+    Outbox, OutboxDispatcher, OutboxMessageState, OutboxTables, OutboxTransactionExt,
+    PgOutboxRepository, PgWakeups, PreparedOutboxRecord, migrate,
 };
 use trellis_outbox_tests::TestPg;
+use trellis_outbox_tests::publisher::RecordingPublisher;
 
 fn record() -> PreparedOutboxRecord {
     PreparedOutboxRecord::event("A.B", "events.v1.A.B", &json!({})).unwrap()
@@ -119,5 +123,87 @@ async fn listener_relistens_and_rescans_after_its_connection_is_terminated() {
     assert_eq!(count.above(1).await, 2);
 
     wakeups.stop().await;
+    db.close().await;
+}
+
+#[tokio::test]
+async fn an_outbox_without_notify_wakes_nobody_but_still_stores() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let (wakeups, count) = listening(&db).await;
+    let quiet = Outbox::default().without_notify();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    let one = quiet.enqueue(&mut tx, &record()).await.unwrap();
+    let many = quiet
+        .enqueue_all(&mut tx, [record(), record()])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    count.stays(0).await;
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, 3);
+    assert_eq!(one.state, OutboxMessageState::Pending);
+    assert_eq!(many.len(), 2);
+
+    // The same enqueue through the default outbox does notify.
+    let mut tx = db.pool.begin().await.unwrap();
+    Outbox::default().enqueue(&mut tx, &record()).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(count.above(0).await, 1);
+
+    wakeups.stop().await;
+    db.close().await;
+}
+
+/// The number of this database's connections that are listening (idle after `LISTEN`).
+async fn listeners(db: &TestPg) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE datname = current_database() AND query LIKE 'LISTEN%' AND pid <> pg_backend_pid()",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_listening_dispatcher_wakes_on_commits_it_was_not_told_about() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let publisher = RecordingPublisher::new();
+    let dispatcher =
+        OutboxDispatcher::builder(PgOutboxRepository::new(db.pool.clone()), publisher.clone())
+            .idle_interval(Duration::from_secs(3600)) // no polling: only NOTIFY can wake it
+            .listen_postgres(&db.pool, &OutboxTables::default())
+            .start()
+            .unwrap();
+    for _ in 0..500 {
+        if listeners(&db).await == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(listeners(&db).await, 1, "the dispatcher is not listening");
+
+    // Committed by "another process" (nobody calls notify()).
+    let mut tx = db.pool.begin().await.unwrap();
+    let row = tx.enqueue(&record()).await.unwrap();
+    tx.commit().await.unwrap();
+    assert!(
+        publisher.wait_for_attempts(1, Duration::from_secs(5)).await,
+        "the commit did not wake the dispatcher"
+    );
+    assert_eq!(publisher.successes(), [row.id]);
+
+    dispatcher.shutdown().await;
+    assert_eq!(
+        listeners(&db).await,
+        0,
+        "shutdown left the listener running"
+    );
     db.close().await;
 }

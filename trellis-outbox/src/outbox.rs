@@ -120,8 +120,36 @@ impl Default for Outbox {
 impl Outbox {
     /// An outbox on `tables`. Table names were validated when `tables` was built.
     pub fn new(tables: OutboxTables) -> Self {
-        let sqlite = SqlStatements::new(Dialect::Sqlite, &tables);
-        let postgres = SqlStatements::new(Dialect::Postgres, &tables);
+        Self::build(tables, true)
+    }
+
+    /// This outbox, except that enqueues on Postgres send no `NOTIFY`.
+    ///
+    /// Every Postgres transaction that sends a `NOTIFY` takes a cluster-wide lock from
+    /// just before its commit until the commit has been flushed, so notifying commits are
+    /// written one at a time (the stock server does not group-commit them). Under many
+    /// concurrent writers that adds commit latency. When the dispatcher runs in the same
+    /// process and is woken with [`DispatcherHandle::notify`](crate::DispatcherHandle::notify)
+    /// after commit, and no other process listens with [`PgWakeups`](crate::PgWakeups),
+    /// the notification has no reader: turn it off. (The dispatcher's idle poll still finds
+    /// rows enqueued by other processes.) SQLite never notifies; this changes nothing there.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use trellis_outbox::{Dialect, Outbox};
+    ///
+    /// let outbox = Outbox::default().without_notify();
+    /// assert!(!outbox.sql(Dialect::Postgres).notifies());
+    /// assert!(Outbox::default().sql(Dialect::Postgres).notifies());
+    /// ```
+    pub fn without_notify(&self) -> Self {
+        Self::build(self.inner.tables.clone(), false)
+    }
+
+    fn build(tables: OutboxTables, notify: bool) -> Self {
+        let sqlite = SqlStatements::new(Dialect::Sqlite, &tables, false);
+        let postgres = SqlStatements::new(Dialect::Postgres, &tables, notify);
         Self {
             inner: Arc::new(Inner {
                 tables,

@@ -46,7 +46,7 @@ impl Backend for Postgres {
             .bind(None::<DateTime<Utc>>)
             .bind(None::<String>)
             .bind(None::<Json<serde_json::Value>>)
-            .bind(&*sql.notify_channel)
+            .bind(sql.notify_bind())
             .fetch_optional(&mut *conn)
             .await
             .map_err(enqueue_error)?
@@ -76,7 +76,7 @@ impl Backend for Postgres {
              AS t(id, kind, name, subject, payload, headers) \
              ON CONFLICT (id) DO NOTHING RETURNING 1), \
              counted AS (SELECT count(*) AS n FROM inserted) \
-             SELECT n, CASE WHEN n > 0 THEN pg_notify($8, '')::text END FROM counted"
+             SELECT n, CASE WHEN n > 0 AND $8::text IS NOT NULL THEN pg_notify($8, '')::text END FROM counted"
         );
         let mut inserted = 0;
         for chunk in records.chunks(BATCH_ROWS) {
@@ -104,7 +104,7 @@ impl Backend for Postgres {
                 .bind(payloads)
                 .bind(headers)
                 .bind(now)
-                .bind(&*sql.notify_channel)
+                .bind(sql.notify_bind())
                 .fetch_one(&mut *conn)
                 .await
                 .map_err(|source| Error::Enqueue {

@@ -34,10 +34,12 @@ pub struct SqlStatements {
     pub(crate) select_by_id: Arc<str>,
     pub(crate) inbox_insert: Arc<str>,
     pub(crate) notify_channel: Arc<str>,
+    /// Whether Postgres enqueues send `NOTIFY` (see [`Outbox::without_notify`](crate::Outbox::without_notify)).
+    pub(crate) notify: bool,
 }
 
 impl SqlStatements {
-    pub(crate) fn new(dialect: Dialect, tables: &OutboxTables) -> Self {
+    pub(crate) fn new(dialect: Dialect, tables: &OutboxTables, notify: bool) -> Self {
         let (o, i) = (tables.outbox(), tables.inbox());
         let (enqueue, select_by_id, inbox_insert) = match dialect {
             Dialect::Sqlite => (
@@ -50,12 +52,12 @@ impl SqlStatements {
                 ),
             ),
             // Upstream's INSERT, wrapped so that a row actually inserted also sends a wake-up
-            // notification ($14 = channel) in the same round trip; Postgres delivers it only
-            // when the transaction commits.
+            // notification ($14 = channel; NULL sends none) in the same round trip; Postgres
+            // delivers it only when the transaction commits.
             Dialect::Postgres => (
                 format!(
                     "WITH inserted AS (INSERT INTO {o} ({COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) ON CONFLICT (id) DO NOTHING RETURNING 1) \
-                     SELECT pg_notify($14, '')::text FROM inserted"
+                     SELECT CASE WHEN $14::text IS NOT NULL THEN pg_notify($14, '')::text END FROM inserted"
                 ),
                 format!("SELECT {COLUMNS} FROM {o} WHERE id = $1"),
                 format!(
@@ -70,6 +72,7 @@ impl SqlStatements {
             select_by_id: select_by_id.into(),
             inbox_insert: inbox_insert.into(),
             notify_channel: notify_channel(tables).into(),
+            notify,
         }
     }
 
@@ -88,6 +91,19 @@ impl SqlStatements {
     /// `<outbox table>_wakeup`. Notifications carry no payload; they are only a hint.
     pub fn notify_channel(&self) -> &str {
         &self.notify_channel
+    }
+
+    /// Whether enqueues send a `NOTIFY` on [`notify_channel`](Self::notify_channel): on
+    /// Postgres unless the outbox was built [`without_notify`](crate::Outbox::without_notify);
+    /// never on SQLite.
+    pub fn notifies(&self) -> bool {
+        self.notify
+    }
+
+    /// The channel to bind to the enqueue statements: `None` sends no notification.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn notify_bind(&self) -> Option<&str> {
+        self.notify.then_some(&*self.notify_channel)
     }
 
     /// Reads one stored row by id (used when an enqueue hits an existing id).

@@ -324,6 +324,30 @@ struct Wave {
     retry_at: Option<Instant>,
 }
 
+impl Wave {
+    fn absorb(&mut self, marked: Marked) {
+        self.report.add(marked.report);
+        if let Some(at) = marked.retry_at {
+            self.retry_at = Some(self.retry_at.map_or(at, |t| t.min(at)));
+        }
+    }
+}
+
+/// A claimed batch after publishing, waiting to be marked.
+struct Published {
+    claim: Claim,
+    results: Vec<Result<Option<serde_json::Value>, PublishError>>,
+    span: tracing::Span,
+}
+
+/// What marking one batch did.
+#[derive(Debug, Default)]
+struct Marked {
+    report: DispatchReport,
+    /// When the earliest row this batch marked failed is due again (tokio clock).
+    retry_at: Option<Instant>,
+}
+
 /// The drain logic shared by [`dispatch_outbox`] and the dispatcher task.
 struct Engine<'a, R, P> {
     repo: &'a R,
@@ -343,90 +367,167 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
     }
 
     /// Claims and handles batches until a claim comes back empty (or shutdown begins).
+    ///
+    /// When the repository [overlaps batches](OutboxRepository::overlaps_batches), batch
+    /// `n` is published while batch `n + 1` is claimed and batch `n - 1` is marked, so a
+    /// batch costs about as long as its slowest stage instead of the sum of all three.
     async fn wave(&self, wave: &mut Wave) -> Result<(), DispatchError> {
-        while !self.cancelled() {
-            let claimed = self.batch(wave).await?;
-            if claimed == 0 {
-                break;
+        if self.cancelled() {
+            return Ok(());
+        }
+        let first = self.claim(wave.cutoff).await?;
+        wave.cutoff = Some(first.cutoff);
+        let overlap = self.repo.overlaps_batches();
+        let mut current = Some(first).filter(|claim| !claim.is_empty());
+        // The batch published last, waiting to be marked (overlapping only).
+        let mut unmarked: Option<Published> = None;
+        while let Some(claim) = current.take() {
+            if self.cancelled() {
+                if let Some(published) = unmarked.take() {
+                    self.mark_into(wave, published).await?;
+                }
+                return self.release(&claim).await;
             }
+            wave.claimed += claim.len() as u64;
+            let span =
+                tracing::debug_span!("outbox_batch", rows = claim.len(), token = %claim.token);
+            if !overlap {
+                let results = self.publish(&claim.messages).instrument(span.clone()).await;
+                self.mark_into(
+                    wave,
+                    Published {
+                        claim,
+                        results,
+                        span,
+                    },
+                )
+                .await?;
+                if !self.cancelled() {
+                    current = Some(self.claim(wave.cutoff).await?).filter(|c| !c.is_empty());
+                }
+                continue;
+            }
+            let cutoff = wave.cutoff;
+            let claim_next = async {
+                if self.cancelled() {
+                    None
+                } else {
+                    Some(self.claim(cutoff).await)
+                }
+            };
+            let previous = unmarked.take();
+            let mark_previous = async {
+                match previous {
+                    Some(published) => Some(self.mark(published).await),
+                    None => None,
+                }
+            };
+            let (results, next, marked) = tokio::join!(
+                self.publish(&claim.messages).instrument(span.clone()),
+                claim_next,
+                mark_previous,
+            );
+            let published = Published {
+                claim,
+                results,
+                span,
+            };
+            let next = match next {
+                Some(Ok(next)) => Some(next).filter(|c| !c.is_empty()),
+                Some(Err(error)) => {
+                    // Mark what was published before giving up on this wave.
+                    if let Some(Ok(marked)) = marked {
+                        wave.absorb(marked);
+                    }
+                    self.mark_into(wave, published).await?;
+                    return Err(error);
+                }
+                None => None,
+            };
+            match marked {
+                Some(Ok(marked)) => wave.absorb(marked),
+                Some(Err(error)) => {
+                    // The store failed; try to settle what is in hand, then report.
+                    if let Ok(marked) = self.mark(published).await {
+                        wave.absorb(marked);
+                    }
+                    if let Some(next) = next {
+                        let _ = self.release(&next).await;
+                    }
+                    return Err(error);
+                }
+                None => {}
+            }
+            unmarked = Some(published);
+            current = next;
+        }
+        if let Some(published) = unmarked {
+            self.mark_into(wave, published).await?;
         }
         Ok(())
     }
 
-    /// Claims one batch and handles it; returns how many rows were claimed and attempted.
-    async fn batch(&self, wave: &mut Wave) -> Result<usize, DispatchError> {
-        let claim = self
-            .repo
-            .claim_due(self.options.batch_size, self.options.lease, wave.cutoff)
+    /// Claims one batch.
+    async fn claim(&self, cutoff: Option<DateTime<Utc>>) -> Result<Claim, DispatchError> {
+        self.repo
+            .claim_due(self.options.batch_size, self.options.lease, cutoff)
             .await
-            .map_err(DispatchError::repository("claim due rows"))?;
-        wave.cutoff = Some(claim.cutoff);
-        if claim.is_empty() {
-            return Ok(0);
-        }
-        let span = tracing::debug_span!(
-            "outbox_batch",
-            rows = claim.len(),
-            token = %claim.token,
-        );
-        async {
-            if self.cancelled() {
-                let ids: Vec<&str> = claim
-                    .messages
-                    .iter()
-                    .map(|m| m.id.as_str())
-                    .chain(claim.poisoned.iter().map(|p| p.id.as_str()))
-                    .collect();
-                let released = self
-                    .repo
-                    .release(&claim, &ids)
-                    .await
-                    .map_err(DispatchError::repository("release unattempted rows"))?;
-                tracing::debug!(released, "shutting down: released rows not attempted");
-                return Ok(0);
-            }
-            let claimed = claim.len();
-            wave.claimed += claimed as u64;
-            let report = self.handle(&claim, &mut wave.retry_at).await?;
-            tracing::debug!(
-                dispatched = report.dispatched,
-                failed = report.failed,
-                dead = report.dead,
-                "outbox batch done"
-            );
-            wave.report.add(report);
-            Ok(claimed)
-        }
-        .instrument(span)
-        .await
+            .map_err(DispatchError::repository("claim due rows"))
     }
 
-    /// Publishes and marks the rows of `claim`.
-    async fn handle(
-        &self,
-        claim: &Claim,
-        retry_at: &mut Option<Instant>,
-    ) -> Result<DispatchReport, DispatchError> {
-        let mut report = DispatchReport::default();
-        let mut lost = 0u64;
-        for poison in &claim.poisoned {
-            let marked = self
-                .repo
-                .mark_dead(claim, &poison.id, &poison.reason, false)
-                .await
-                .map_err(DispatchError::repository("move an undecodable row to dead"))?;
-            if marked {
-                report.dead += 1;
-                self.emit(DispatchError::Poisoned {
-                    id: poison.id.clone(),
-                    reason: poison.reason.clone(),
-                });
-            } else {
-                lost += 1;
+    /// Releases the leases of a claim that will not be attempted (shutdown).
+    async fn release(&self, claim: &Claim) -> Result<(), DispatchError> {
+        let ids: Vec<&str> = claim
+            .messages
+            .iter()
+            .map(|m| m.id.as_str())
+            .chain(claim.poisoned.iter().map(|p| p.id.as_str()))
+            .collect();
+        let released = self
+            .repo
+            .release(claim, &ids)
+            .await
+            .map_err(DispatchError::repository("release unattempted rows"))?;
+        tracing::debug!(released, "shutting down: released rows not attempted");
+        Ok(())
+    }
+
+    /// Marks a published batch and adds the outcome to the wave.
+    async fn mark_into(&self, wave: &mut Wave, published: Published) -> Result<(), DispatchError> {
+        let marked = self.mark(published).await?;
+        wave.absorb(marked);
+        Ok(())
+    }
+
+    /// Records the outcome of a published batch: undecodable rows to dead, published rows
+    /// dispatched, failed rows failed (or dead when the error is permanent or retries are
+    /// exhausted).
+    async fn mark(&self, published: Published) -> Result<Marked, DispatchError> {
+        let Published {
+            claim,
+            results,
+            span,
+        } = published;
+        async {
+            let mut marked = Marked::default();
+            let report = &mut marked.report;
+            let mut lost = 0u64;
+            for poison in &claim.poisoned {
+                let done = self
+                    .repo
+                    .mark_dead(&claim, &poison.id, &poison.reason, false)
+                    .await
+                    .map_err(DispatchError::repository("move an undecodable row to dead"))?;
+                if done {
+                    report.dead += 1;
+                    self.emit(DispatchError::Poisoned {
+                        id: poison.id.clone(),
+                        reason: poison.reason.clone(),
+                    });
+                } else {
+                    lost += 1;
+                }
             }
-        }
-        if !claim.messages.is_empty() {
-            let results = self.publish(&claim.messages).await;
             let mut dispatched = Vec::new();
             let mut failures = Vec::new();
             for (message, result) in claim.messages.iter().zip(results) {
@@ -439,42 +540,42 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 }
             }
             if !dispatched.is_empty() {
-                let marked = self
+                let done = self
                     .repo
-                    .mark_dispatched(claim, &dispatched)
+                    .mark_dispatched(&claim, &dispatched)
                     .await
                     .map_err(DispatchError::repository("mark rows dispatched"))?;
-                report.dispatched += marked;
-                lost += (dispatched.len() as u64).saturating_sub(marked);
+                report.dispatched += done;
+                lost += (dispatched.len() as u64).saturating_sub(done);
             }
             let policy = &self.options.retry_policy;
             for (message, error) in failures {
                 let attempt = message.attempts.saturating_add(1);
                 let reason = error.chain();
-                let (marked, disposition) =
-                    if !error.is_retryable() || policy.gives_up_after(attempt) {
-                        let marked = self
-                            .repo
-                            .mark_dead(claim, &message.id, &reason, true)
-                            .await
-                            .map_err(DispatchError::repository("move a failed row to dead"))?;
-                        report.dead += u64::from(marked);
-                        (marked, Disposition::Dead)
-                    } else {
-                        let delay = policy.delay(attempt);
-                        let marked = self
-                            .repo
-                            .mark_failed(claim, &message.id, &reason, delay)
-                            .await
-                            .map_err(DispatchError::repository("mark a row failed"))?;
-                        if marked {
-                            report.failed += 1;
-                            let at = deadline(Instant::now(), delay);
-                            *retry_at = Some(retry_at.map_or(at, |t| t.min(at)));
-                        }
-                        (marked, Disposition::RetryAfter(delay))
-                    };
-                if !marked {
+                let (done, disposition) = if !error.is_retryable() || policy.gives_up_after(attempt)
+                {
+                    let done = self
+                        .repo
+                        .mark_dead(&claim, &message.id, &reason, true)
+                        .await
+                        .map_err(DispatchError::repository("move a failed row to dead"))?;
+                    report.dead += u64::from(done);
+                    (done, Disposition::Dead)
+                } else {
+                    let delay = policy.delay(attempt);
+                    let done = self
+                        .repo
+                        .mark_failed(&claim, &message.id, &reason, delay)
+                        .await
+                        .map_err(DispatchError::repository("mark a row failed"))?;
+                    if done {
+                        report.failed += 1;
+                        let at = deadline(Instant::now(), delay);
+                        marked.retry_at = Some(marked.retry_at.map_or(at, |t| t.min(at)));
+                    }
+                    (done, Disposition::RetryAfter(delay))
+                };
+                if !done {
                     lost += 1;
                     continue;
                 }
@@ -485,11 +586,19 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                     error,
                 });
             }
+            if lost > 0 {
+                self.emit(DispatchError::LeaseLost { rows: lost });
+            }
+            tracing::debug!(
+                dispatched = marked.report.dispatched,
+                failed = marked.report.failed,
+                dead = marked.report.dead,
+                "outbox batch done"
+            );
+            Ok(marked)
         }
-        if lost > 0 {
-            self.emit(DispatchError::LeaseLost { rows: lost });
-        }
-        Ok(report)
+        .instrument(span)
+        .await
     }
 
     /// Calls the publisher, turning a panic or a wrong number of results into per-message
@@ -664,6 +773,10 @@ impl<R: OutboxRepository> OutboxRepository for Arc<R> {
     fn next_due_in(&self) -> impl Future<Output = Result<Option<Duration>>> + Send {
         (**self).next_due_in()
     }
+
+    fn overlaps_batches(&self) -> bool {
+        (**self).overlaps_batches()
+    }
 }
 
 impl<P: Publisher> Publisher for Arc<P> {
@@ -672,6 +785,10 @@ impl<P: Publisher> Publisher for Arc<P> {
         messages: &[OutboxMessage],
     ) -> impl Future<Output = Vec<Result<Option<serde_json::Value>, PublishError>>> + Send {
         (**self).publish_batch(messages)
+    }
+
+    fn on_start(&self, retry_policy: &RetryPolicy) -> impl Future<Output = ()> + Send {
+        (**self).on_start(retry_policy)
     }
 }
 
@@ -684,6 +801,8 @@ pub struct DispatcherBuilder<R, P> {
     max_wait: Duration,
     idle_interval: Duration,
     on_error: Option<ErrorCallback>,
+    #[cfg(feature = "postgres")]
+    listen: Option<(sqlx::PgPool, crate::OutboxTables)>,
 }
 
 impl<R, P> fmt::Debug for DispatcherBuilder<R, P> {
@@ -756,6 +875,36 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
         self
     }
 
+    /// Also wakes the dispatcher when **any process** commits an enqueue on this Postgres
+    /// outbox: a [`PgWakeups`](crate::PgWakeups) listener on `pool` (one connection) runs
+    /// beside the dispatcher task and calls [`notify`](OutboxDispatcher::notify) for every
+    /// notification, re-`LISTEN`s after a dropped connection and then notifies once to
+    /// re-scan. It stops with the dispatcher. If the first `LISTEN` fails, the error goes to
+    /// [`on_error`](Self::on_error) (operation `listen for wake-ups`) and it is retried with
+    /// backoff; polling every [`idle_interval`](Self::idle_interval) stays the safety net.
+    ///
+    /// `tables` must be the outbox's tables (the channel is derived from the outbox table).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use trellis_outbox::{JetStreamPublisher, OutboxDispatcher, OutboxTables, PgOutboxRepository};
+    ///
+    /// # async fn run(pool: sqlx::PgPool, nats: async_nats::Client) -> Result<(), Box<dyn std::error::Error>> {
+    /// let publisher = JetStreamPublisher::new(async_nats::jetstream::new(nats));
+    /// let dispatcher = OutboxDispatcher::builder(PgOutboxRepository::new(pool.clone()), publisher)
+    ///     .listen_postgres(&pool, &OutboxTables::default())
+    ///     .start()?;
+    /// // … other processes enqueue; this dispatcher wakes on their commits …
+    /// dispatcher.shutdown().await;
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "postgres")]
+    pub fn listen_postgres(mut self, pool: &sqlx::PgPool, tables: &crate::OutboxTables) -> Self {
+        self.listen = Some((pool.clone(), tables.clone()));
+        self
+    }
+
     /// Validates the options and spawns the dispatcher task on the current tokio runtime.
     /// The task drains once at once (rows left by a previous process go out without waiting
     /// for a notify).
@@ -783,7 +932,7 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
             debounce: self.debounce.min(self.max_wait),
             max_wait: self.max_wait,
             idle_interval: self.idle_interval,
-            on_error: self.on_error,
+            on_error: self.on_error.clone(),
             cancel: cancel.clone(),
             wake: wake_rx,
         };
@@ -792,14 +941,25 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
                 .run()
                 .instrument(tracing::info_span!("outbox_dispatcher")),
         );
+        let handle = DispatcherHandle {
+            shared: Arc::new(Shared {
+                wake: wake_tx,
+                cancel: cancel.clone(),
+            }),
+        };
+        #[cfg(feature = "postgres")]
+        let listener = self.listen.map(|(pool, tables)| {
+            runtime.spawn(
+                listen(pool, tables, handle.clone(), cancel, self.on_error.clone())
+                    .instrument(tracing::info_span!("outbox_wakeups")),
+            )
+        });
+        #[cfg(not(feature = "postgres"))]
+        let listener = None;
         Ok(OutboxDispatcher {
-            handle: DispatcherHandle {
-                shared: Arc::new(Shared {
-                    wake: wake_tx,
-                    cancel,
-                }),
-            },
+            handle,
             task: Some(task),
+            listener,
         })
     }
 }
@@ -901,6 +1061,8 @@ impl DispatcherHandle {
 pub struct OutboxDispatcher {
     handle: DispatcherHandle,
     task: Option<JoinHandle<()>>,
+    /// The `LISTEN` task of [`DispatcherBuilder::listen_postgres`].
+    listener: Option<JoinHandle<()>>,
 }
 
 impl OutboxDispatcher {
@@ -921,6 +1083,8 @@ impl OutboxDispatcher {
             max_wait: Duration::from_millis(100),
             idle_interval: Duration::from_secs(5),
             on_error: None,
+            #[cfg(feature = "postgres")]
+            listen: None,
         }
     }
 
@@ -944,6 +1108,9 @@ impl OutboxDispatcher {
         if let Some(task) = self.task.take() {
             join(task).await;
         }
+        if let Some(listener) = self.listener.take() {
+            join(listener).await;
+        }
     }
 
     /// Like [`shutdown`](Self::shutdown), but aborts the task if it has not ended after
@@ -954,9 +1121,17 @@ impl OutboxDispatcher {
         let Some(mut task) = self.task.take() else {
             return true;
         };
+        let started = Instant::now();
         match tokio::time::timeout(timeout, &mut task).await {
             Ok(result) => {
                 log_join(result);
+                if let Some(mut listener) = self.listener.take() {
+                    let left = timeout.saturating_sub(started.elapsed());
+                    match tokio::time::timeout(left, &mut listener).await {
+                        Ok(result) => log_join(result),
+                        Err(_) => listener.abort(),
+                    }
+                }
                 true
             }
             Err(_) => {
@@ -987,6 +1162,50 @@ fn log_join(result: std::result::Result<(), tokio::task::JoinError>) {
     }
 }
 
+/// The task of [`DispatcherBuilder::listen_postgres`]: starts a [`PgWakeups`] listener that
+/// notifies `handle` (retrying the first `LISTEN` with backoff), and stops it on `cancel`.
+///
+/// [`PgWakeups`]: crate::PgWakeups
+#[cfg(feature = "postgres")]
+async fn listen(
+    pool: sqlx::PgPool,
+    tables: crate::OutboxTables,
+    handle: DispatcherHandle,
+    cancel: CancellationToken,
+    on_error: Option<ErrorCallback>,
+) {
+    let mut backoff = Duration::from_millis(100);
+    let wakeups = loop {
+        let notify = handle.clone();
+        let listening = crate::PgWakeups::listen(&pool, &tables, move || notify.notify());
+        let error = tokio::select! {
+            biased;
+            () = cancel.cancelled() => return,
+            listening = listening => match listening {
+                Ok(wakeups) => break wakeups,
+                Err(error) => error,
+            },
+        };
+        report_error(
+            on_error.as_deref(),
+            &DispatchError::Repository {
+                operation: "listen for wake-ups",
+                source: error,
+            },
+        );
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    };
+    // Rows committed before the LISTEN took effect: one scan finds them.
+    handle.notify();
+    cancel.cancelled().await;
+    wakeups.stop().await;
+}
+
 /// The dispatcher task.
 struct Worker<R, P> {
     repo: R,
@@ -1010,6 +1229,19 @@ enum Wake {
 impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
     async fn run(mut self) {
         tracing::debug!("outbox dispatcher started");
+        {
+            let starting = pin!(self.publisher.on_start(&self.options.retry_policy));
+            tokio::select! {
+                biased;
+                () = self.cancel.cancelled() => return,
+                started = CatchUnwind(starting) => if let Err(panic) = started {
+                    report_error(self.on_error.as_deref(), &DispatchError::Panicked {
+                        what: "publisher",
+                        message: panic_message(&*panic),
+                    });
+                },
+            }
+        }
         // Consecutive failed drains (repository errors): drives the backoff.
         let mut errors: u32 = 0;
         // Consecutive drains that claimed nothing although the repository said a row was due.

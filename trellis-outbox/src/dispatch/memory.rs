@@ -375,6 +375,12 @@ impl OutboxRepository for MemoryOutboxRepository {
         }
         Ok(earliest)
     }
+
+    /// `true`: claims and marks take a lock for microseconds, so the dispatcher overlaps
+    /// batches here as it does on Postgres (tests exercise the same pipeline).
+    fn overlaps_batches(&self) -> bool {
+        true
+    }
 }
 
 /// `time + duration`, saturating at the largest representable time.

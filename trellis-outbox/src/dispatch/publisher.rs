@@ -4,6 +4,7 @@ use std::error::Error as StdError;
 use std::fmt;
 use std::future::Future;
 
+use crate::dispatch::retry::RetryPolicy;
 use crate::record::OutboxMessage;
 
 /// A boxed error from a publisher.
@@ -95,4 +96,15 @@ pub trait Publisher: Send + Sync + 'static {
         &self,
         messages: &[OutboxMessage],
     ) -> impl Future<Output = Vec<Result<Option<serde_json::Value>, PublishError>>> + Send;
+
+    /// Called once by an [`OutboxDispatcher`](crate::OutboxDispatcher) when its task starts,
+    /// before the first drain, with the dispatcher's retry policy: a place for start-up
+    /// checks (the JetStream publisher checks its streams here when asked to, see
+    /// `JetStreamPublisherBuilder::check_streams_at_start`). It should report problems
+    /// (e.g. with `tracing`) rather than block: the first drain waits for it. The default
+    /// does nothing.
+    fn on_start(&self, retry_policy: &RetryPolicy) -> impl Future<Output = ()> + Send {
+        let _ = retry_policy;
+        std::future::ready(())
+    }
 }

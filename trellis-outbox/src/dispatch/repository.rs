@@ -177,4 +177,16 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// failed row or lease expiry of a leased row; `Some(Duration::ZERO)` if a row is due now,
     /// `None` if no undispatched row exists.
     fn next_due_in(&self) -> impl Future<Output = Result<Option<Duration>>> + Send;
+
+    /// Whether the dispatcher may overlap consecutive batches: claim the next batch and mark
+    /// the previous one while the current one is being published. Return `true` when the
+    /// store lets several writers proceed at once (Postgres: the claim skips locked rows, and
+    /// the three statements touch disjoint rows); keep the default `false` when writers queue
+    /// behind one lock (SQLite), where overlapping only adds lock waits.
+    ///
+    /// Overlapping never runs two claims at once and never claims a row twice: the next
+    /// claim only finds rows that no lease holds.
+    fn overlaps_batches(&self) -> bool {
+        false
+    }
 }

@@ -193,6 +193,25 @@ impl RetryPolicy {
             .max(MIN_RETRY_DELAY)
     }
 
+    /// The longest delay this policy can put between two attempts of a row, jitter
+    /// included: the upper bound of [`delay`](Self::delay) for the last retried attempt.
+    /// A JetStream stream's duplicate window should be at least this long, so a row
+    /// re-published after a crash between publish and mark is still de-duplicated.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use trellis_outbox::RetryPolicy;
+    ///
+    /// assert_eq!(RetryPolicy::new().longest_delay(), Duration::from_secs(300));
+    /// let short = RetryPolicy::new().max_attempts(3).jitter(0.5); // 1 s, 2 s (+50 %)
+    /// assert_eq!(short.longest_delay(), Duration::from_secs(3));
+    /// ```
+    pub fn longest_delay(&self) -> Duration {
+        // Rows are retried after attempts 1 ..= max_attempts - 1; base delays never decrease.
+        let last_retried = self.max_attempts.saturating_sub(1).max(1);
+        self.jittered(last_retried, 1.0)
+    }
+
     /// Whether a row that has now failed `attempts` times (this failure included) should be
     /// moved to `dead` rather than retried: `attempts >= max_attempts`.
     ///

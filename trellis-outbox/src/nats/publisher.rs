@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::jobs::{CreatedEventSettings, JobDispatcher, NoJobDispatcher, created_event};
 use super::{JetStreamError, JetStreamErrorKind};
-use crate::dispatch::{BoxError, PublishError, Publisher};
+use crate::dispatch::{BoxError, PublishError, Publisher, RetryPolicy};
 use crate::record::{OutboxMessage, OutboxRecordKind};
 use crate::subject::subject_problem;
 
@@ -90,6 +90,7 @@ pub struct JetStreamPublisher<D = NoJobDispatcher> {
     window: usize,
     ack_timeout: Duration,
     jobs: JobRoute<D>,
+    startup_subjects: Vec<String>,
 }
 
 impl<D> fmt::Debug for JetStreamPublisher<D> {
@@ -114,6 +115,7 @@ pub struct JetStreamPublisherBuilder<D = NoJobDispatcher> {
     ack_timeout: Duration,
     created: CreatedEventSettings,
     jobs: BuilderJobs<D>,
+    startup_subjects: Vec<String>,
 }
 
 enum BuilderJobs<D> {
@@ -154,6 +156,7 @@ impl JetStreamPublisher {
             ack_timeout: DEFAULT_ACK_TIMEOUT,
             created: CreatedEventSettings::new(DEFAULT_JOB_MAX_TRIES),
             jobs: BuilderJobs::CreatedEvent,
+            startup_subjects: Vec::new(),
         }
     }
 }
@@ -226,7 +229,34 @@ impl<D: JobDispatcher> JetStreamPublisherBuilder<D> {
             ack_timeout: self.ack_timeout,
             created: self.created,
             jobs: BuilderJobs::Dispatcher(dispatcher),
+            startup_subjects: self.startup_subjects,
         }
+    }
+
+    /// Subjects to check when an [`OutboxDispatcher`](crate::OutboxDispatcher) using this
+    /// publisher starts: [`check_streams`](JetStreamPublisher::check_streams) runs with them
+    /// and the dispatcher's [`RetryPolicy::longest_delay`](crate::RetryPolicy::longest_delay)
+    /// before the first drain. A subject no stream captures is logged as an error
+    /// (`tracing`), a duplicate window shorter than the longest retry gap as a warning;
+    /// neither stops the dispatcher (rows to a missing stream fail retryably until it
+    /// exists). Default: none.
+    ///
+    /// ```no_run
+    /// # async fn run(nats: async_nats::Client) {
+    /// use trellis_outbox::JetStreamPublisher;
+    ///
+    /// let publisher = JetStreamPublisher::builder(async_nats::jetstream::new(nats))
+    ///     .check_streams_at_start(["events.v1.Orders.Placed", "events.v1.Orders.Shipped"])
+    ///     .build();
+    /// # let _ = publisher; }
+    /// ```
+    pub fn check_streams_at_start<I>(mut self, subjects: I) -> Self
+    where
+        I: IntoIterator,
+        I::Item: Into<String>,
+    {
+        self.startup_subjects = subjects.into_iter().map(Into::into).collect();
+        self
     }
 
     /// No job dispatch: every job row fails with a retryable error saying that no job
@@ -249,6 +279,7 @@ impl<D: JobDispatcher> JetStreamPublisherBuilder<D> {
                 BuilderJobs::Dispatcher(dispatcher) => JobRoute::Dispatcher(dispatcher),
                 BuilderJobs::Disabled => JobRoute::Disabled,
             },
+            startup_subjects: self.startup_subjects,
         }
     }
 }
@@ -487,7 +518,35 @@ impl<D: JobDispatcher> Publisher for JetStreamPublisher<D> {
     ) -> impl std::future::Future<Output = BatchResult> + Send {
         self.publish_all(messages)
     }
+
+    async fn on_start(&self, retry_policy: &RetryPolicy) {
+        if self.startup_subjects.is_empty() {
+            return;
+        }
+        let gap = retry_policy.longest_delay();
+        let checking = self.check_streams(&self.startup_subjects, gap);
+        match tokio::time::timeout(STARTUP_CHECK_TIMEOUT, checking).await {
+            Ok(Ok(checks)) => {
+                for check in checks {
+                    tracing::debug!(
+                        subject = %check.subject,
+                        stream = %check.stream,
+                        duplicate_window = ?check.duplicate_window,
+                        "outbox subject is captured by a stream"
+                    );
+                }
+            }
+            Ok(Err(error)) => tracing::error!(%error, "outbox stream check failed at start"),
+            Err(_) => tracing::warn!(
+                timeout = ?STARTUP_CHECK_TIMEOUT,
+                "outbox stream check did not finish in time; dispatching anyway"
+            ),
+        }
+    }
 }
+
+/// How long the start-up stream check may delay the first drain.
+const STARTUP_CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Maps an async-nats publish error to a retryable or permanent [`PublishError`].
 fn classify(message: &OutboxMessage, err: NatsPublishError) -> PublishError {
