@@ -2,7 +2,7 @@
 //! baselines measured side by side in one run (issue 5, "Benchmark").
 //!
 //! ```text
-//! cargo run --release --example relay [-- [throughput|latency|rss] [--quick] [--batch N] [--window N]]
+//! cargo run --release --example bench -- relay [throughput|latency|rss|sweep] [--quick] [--batch N] [--window N]
 //! ```
 //!
 //! Needs Postgres at `DATABASE_URL` (a fresh database is created and dropped) and a NATS
@@ -30,9 +30,14 @@
 //!    1,000 events/s). Each event's payload carries a sequence number; the producer
 //!    records the wall-clock time just before `tx.commit()`, and a core NATS subscription on
 //!    the stream's subject (own connection) records when the message arrives. Two modes:
-//!    (i) in-process, the producer calls `DispatcherHandle::notify()` after commit;
-//!    (ii) LISTEN/NOTIFY, the dispatcher is woken only by `PgWakeups`, and the producer is a
-//!    **separate process** (this binary re-executed with `--producer`) with its own pool.
+//!    (i) in-process, the producer calls `DispatcherHandle::notify()` after commit, and its
+//!    outbox is built `without_notify()` (nobody listens; a `NOTIFY` would only serialize
+//!    the commits);
+//!    (ii) LISTEN/NOTIFY, the dispatcher is woken only by its `listen_postgres` listener, and
+//!    the producer is a **separate process** (this binary re-executed with `--producer`) with
+//!    its own pool and the default (notifying) outbox.
+//!    In both, the dispatcher has its own 4-connection pool, as the README recommends. Each
+//!    mode also prints how much of the latency the commit itself took.
 //!    The first 5 % of samples are dropped as warm-up.
 //! 3. **Peak RSS** (`rss`): loads 1,000,000 rows (quick: 100,000; untimed, 5,000 per
 //!    transaction), then drains them with `dispatch_outbox` to a file-backed JetStream stream
@@ -58,8 +63,8 @@ use futures::StreamExt;
 use sqlx::types::Json;
 use sqlx::{PgPool, Postgres};
 use trellis_outbox::{
-    Claim, DispatchOptions, Dispatched, JetStreamPublisher, OutboxDispatcher, OutboxMessage,
-    OutboxRepository, OutboxTables, OutboxTransactionExt, PgOutboxRepository, PgWakeups,
+    Claim, DispatchOptions, Dispatched, JetStreamPublisher, Outbox, OutboxDispatcher,
+    OutboxMessage, OutboxRepository, OutboxTables, OutboxTransactionExt, PgOutboxRepository,
     PreparedOutboxRecord, PublishError, Publisher, dispatch_outbox,
 };
 use trellis_outbox_tests::TestPg;
@@ -436,14 +441,15 @@ fn now_ns() -> u64 {
 /// Commits `count` events, one per transaction, starting one every `interval` (open loop:
 /// each transaction runs in its own task, as concurrent request handlers would, so a slow
 /// commit does not lower the offered rate); returns `(seq, wall-clock ns just before
-/// commit)`. Calls `after_commit` after each commit.
+/// commit, wall-clock ns just after)`. Calls `after_commit` after each commit.
 async fn produce(
     pool: &PgPool,
+    outbox: &Outbox,
     subject: &str,
     count: u64,
     interval: Duration,
     after_commit: impl Fn() + Clone + Send + Sync + 'static,
-) -> Result<Vec<(u64, u64)>, BoxError> {
+) -> Result<Vec<Sent>, BoxError> {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let mut tasks = tokio::task::JoinSet::new();
@@ -451,14 +457,15 @@ async fn produce(
         ticker.tick().await;
         let record =
             PreparedOutboxRecord::event(NAME, subject, &serde_json::json!({ "seq": seq }))?;
-        let (pool, after_commit) = (pool.clone(), after_commit.clone());
+        let (pool, outbox, after_commit) = (pool.clone(), outbox.clone(), after_commit.clone());
         tasks.spawn(async move {
             let mut tx = pool.begin().await?;
-            tx.enqueue(&record).await?;
-            let t = now_ns();
+            outbox.enqueue(&mut tx, &record).await?;
+            let before = now_ns();
             tx.commit().await?;
+            let after = now_ns();
             after_commit();
-            Ok::<_, BoxError>((seq, t))
+            Ok::<_, BoxError>((seq, before, after))
         });
     }
     let mut out = Vec::with_capacity(count as usize);
@@ -467,6 +474,19 @@ async fn produce(
     }
     out.sort_unstable();
     Ok(out)
+}
+
+/// One committed event: `(seq, ns just before commit, ns just after commit)`.
+type Sent = (u64, u64, u64);
+
+/// The dispatcher's own small pool, as the README recommends: on the producers' pool its
+/// claims would queue behind their transactions.
+async fn dispatcher_pool(pg: &TestPg) -> Result<PgPool, BoxError> {
+    let options: sqlx::postgres::PgConnectOptions = trellis_outbox_tests::database_url().parse()?;
+    Ok(sqlx::pool::PoolOptions::<Postgres>::new()
+        .max_connections(4)
+        .connect_with(options.database(&pg.name))
+        .await?)
 }
 
 /// Collects `(seq, receive ns)` from a core NATS subscription until `count` arrived.
@@ -488,7 +508,7 @@ async fn receive(mut sub: async_nats::Subscriber, count: u64, seen: Arc<Mutex<Ve
 }
 
 /// Latency samples in ms, warm-up dropped; fails if an event never arrived.
-fn latencies(mode: &str, sent: &[(u64, u64)], seen: &[(u64, u64)]) -> Result<Vec<f64>, BoxError> {
+fn latencies(mode: &str, sent: &[Sent], seen: &[(u64, u64)]) -> Result<Vec<f64>, BoxError> {
     let mut received = vec![None; sent.len()];
     for &(seq, t) in seen {
         if let Some(slot) = received.get_mut(seq as usize) {
@@ -497,7 +517,7 @@ fn latencies(mode: &str, sent: &[(u64, u64)], seen: &[(u64, u64)]) -> Result<Vec
     }
     let warmup = sent.len() / 20;
     let mut out = Vec::with_capacity(sent.len());
-    for &(seq, t0) in &sent[warmup..] {
+    for &(seq, t0, _) in &sent[warmup..] {
         let t1 = received[seq as usize]
             .ok_or_else(|| format!("{mode}: event {seq} never arrived on the subscription"))?;
         out.push(t1.saturating_sub(t0) as f64 / 1e6);
@@ -509,7 +529,7 @@ fn latencies(mode: &str, sent: &[(u64, u64)], seen: &[(u64, u64)]) -> Result<Vec
 fn report_latency(
     name: &str,
     what: &str,
-    sent: &[(u64, u64)],
+    sent: &[Sent],
     samples: &[f64],
     target_p99: f64,
     table: &mut Vec<TableRow>,
@@ -525,6 +545,18 @@ fn report_latency(
         .saturating_sub(sent.first().map_or(0, |f| f.1));
     let rate = sent.len() as f64 / (span_ns.max(1) as f64 / 1e9);
     println!("LATENCY name={name} p50_ms={p50:.3} p99_ms={p99:.3}");
+    // Where the time goes: the commit itself is part of the latency.
+    let warmup = sent.len() / 20;
+    let mut commit: Vec<f64> = sent[warmup..]
+        .iter()
+        .map(|&(_, before, after)| after.saturating_sub(before) as f64 / 1e6)
+        .collect();
+    commit.sort_by(f64::total_cmp);
+    println!(
+        "  {name}: of which the commit alone: p50 {:.2} ms, p99 {:.2} ms",
+        percentile(&commit, 50.0),
+        percentile(&commit, 99.0)
+    );
     table.push((
         name.to_owned(),
         format!(
@@ -566,14 +598,19 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
         sub_client.flush().await?;
         let receiver = tokio::spawn(receive(sub, count, seen.clone()));
         let dispatcher = OutboxDispatcher::builder(
-            PgOutboxRepository::new(pg.pool.clone()),
+            PgOutboxRepository::new(dispatcher_pool(&pg).await?),
             publisher(&js, settings),
         )
         .batch_size(settings.batch)
         .start()?;
         let handle = dispatcher.handle();
         let notify = handle.clone();
-        let sent = produce(&pg.pool, &subject, count, interval, move || notify.notify()).await?;
+        // Nobody LISTENs in this mode: the producer's outbox sends no NOTIFY.
+        let quiet = Outbox::default().without_notify();
+        let sent = produce(&pg.pool, &quiet, &subject, count, interval, move || {
+            notify.notify()
+        })
+        .await?;
         wait_for(&seen, count).await;
         dispatcher.shutdown().await;
         receiver.abort();
@@ -597,16 +634,28 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
         sub_client.flush().await?;
         let receiver = tokio::spawn(receive(sub, count, seen.clone()));
         let dispatcher = OutboxDispatcher::builder(
-            PgOutboxRepository::new(pg.pool.clone()),
+            PgOutboxRepository::new(dispatcher_pool(&pg).await?),
             publisher(&js, settings),
         )
         .batch_size(settings.batch)
+        .listen_postgres(&pg.pool, &OutboxTables::default())
         .start()?;
-        let handle = dispatcher.handle();
-        let wakeups =
-            PgWakeups::listen(&pg.pool, &OutboxTables::default(), move || handle.notify()).await?;
+        // The listener is up once its connection is idle in LISTEN.
+        for _ in 0..500 {
+            let listening: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND query LIKE 'LISTEN%'",
+            )
+            .fetch_one(&pg.pool)
+            .await?;
+            if listening > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let child = tokio::process::Command::new(std::env::current_exe()?)
             .args([
+                "relay",
                 "--producer",
                 &pg.name,
                 &subject,
@@ -620,24 +669,27 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
         if !output.status.success() {
             return Err(format!("producer process failed: {}", output.status).into());
         }
-        let sent: Vec<(u64, u64)> = String::from_utf8(output.stdout)?
+        let sent: Vec<Sent> = String::from_utf8(output.stdout)?
             .lines()
             .filter_map(|line| {
-                let (seq, t) = line.split_once(' ')?;
-                Some((seq.parse().ok()?, t.parse().ok()?))
+                let mut fields = line.split(' ').map(str::parse::<u64>);
+                Some((
+                    fields.next()?.ok()?,
+                    fields.next()?.ok()?,
+                    fields.next()?.ok()?,
+                ))
             })
             .collect();
         if sent.len() as u64 != count {
             return Err(format!("producer reported {} of {count} commits", sent.len()).into());
         }
         wait_for(&seen, count).await;
-        wakeups.stop().await;
         dispatcher.shutdown().await;
         receiver.abort();
         let samples = latencies("listen_notify", &sent, &seen.lock().expect("not poisoned"))?;
         report_latency(
             "listen_notify",
-            "producer in another process, PgWakeups LISTEN",
+            "producer in another process, listen_postgres",
             &sent,
             &samples,
             25.0,
@@ -652,7 +704,7 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
 }
 
 /// The child process of the LISTEN/NOTIFY latency run: commits events on its own pool and
-/// prints `seq commit_ns` per event.
+/// prints `seq before_commit_ns after_commit_ns` per event.
 async fn producer_child(args: &[String]) -> Result<(), BoxError> {
     let [db, subject, count, interval_us] = args else {
         return Err("usage: --producer <database> <subject> <count> <interval_us>".into());
@@ -664,6 +716,7 @@ async fn producer_child(args: &[String]) -> Result<(), BoxError> {
         .await?;
     let sent = produce(
         &pool,
+        &Outbox::default(),
         subject,
         count.parse()?,
         Duration::from_micros(interval_us.parse()?),
@@ -672,8 +725,8 @@ async fn producer_child(args: &[String]) -> Result<(), BoxError> {
     .await?;
     pool.close().await;
     let mut out = String::with_capacity(sent.len() * 24);
-    for (seq, t) in sent {
-        out.push_str(&format!("{seq} {t}\n"));
+    for (seq, before, after) in sent {
+        out.push_str(&format!("{seq} {before} {after}\n"));
     }
     print!("{out}");
     Ok(())
@@ -859,6 +912,10 @@ impl<R: OutboxRepository> OutboxRepository for Timed<R> {
     fn next_due_in(&self) -> impl Future<Output = trellis_outbox::Result<Option<Duration>>> + Send {
         self.inner.next_due_in()
     }
+
+    fn overlaps_batches(&self) -> bool {
+        self.inner.overlaps_batches()
+    }
 }
 
 impl<P: Publisher> Publisher for Timed<P> {
@@ -909,6 +966,7 @@ async fn sweep(settings: Settings) -> Result<(), BoxError> {
 /// Runs the RSS part in a fresh copy of this binary and passes its lines through.
 async fn rss_in_child(settings: Settings, table: &mut Vec<TableRow>) -> Result<(), BoxError> {
     let mut args = vec![
+        "relay".to_owned(),
         "rss".to_owned(),
         "--batch".to_owned(),
         settings.batch.to_string(),
@@ -956,21 +1014,20 @@ fn arg_value(args: &[String], name: &str, default: usize) -> Result<usize, BoxEr
     }
 }
 
-#[tokio::main]
-async fn main() -> Result<(), BoxError> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+/// `bench relay …`: `args` are the arguments after `relay`.
+pub(crate) async fn main(args: &[String]) -> Result<(), BoxError> {
     if args.first().map(String::as_str) == Some("--producer") {
         return producer_child(&args[1..]).await;
     }
     let settings = Settings {
         quick: args.iter().any(|a| a == "--quick"),
-        batch: arg_value(&args, "--batch", 500)?,
-        window: arg_value(&args, "--window", trellis_outbox::DEFAULT_ACK_WINDOW)?,
+        batch: arg_value(args, "--batch", 500)?,
+        window: arg_value(args, "--window", trellis_outbox::DEFAULT_ACK_WINDOW)?,
     };
     let no_table = args.iter().any(|a| a == "--no-table");
     let mut which = Vec::new();
     let mut skip = false;
-    for a in &args {
+    for a in args {
         if skip {
             skip = false;
         } else if a == "--batch" || a == "--window" {

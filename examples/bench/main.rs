@@ -1,8 +1,10 @@
 //! Benchmarks: trellis-outbox against raw baselines measured side by side in the same run.
 //!
 //! ```text
-//! cargo run --release --example bench -- [enqueue|dispatch] [--quick]
+//! cargo run --release --example bench -- [enqueue|dispatch|relay] [--quick]
 //! ```
+//!
+//! `relay` (Postgres → NATS JetStream) has parts of its own; see `relay.rs`.
 //!
 //! Each comparison alternates rounds of the baseline and of trellis-outbox on the same
 //! database and table, so drift (fsync latency, autovacuum, cache) hits both alike, and
@@ -11,6 +13,8 @@
 //!
 //! Needs Postgres at `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`; a
 //! fresh database is created and dropped). SQLite runs on a file under `target/`.
+
+mod relay;
 
 use std::time::{Duration, Instant};
 
@@ -702,6 +706,9 @@ async fn bench_dispatch(quick: bool) -> Result<(), BoxError> {
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("relay") {
+        return relay::main(&args[1..]).await;
+    }
     let quick = args.iter().any(|a| a == "--quick");
     let which: Vec<&str> = args
         .iter()
@@ -717,7 +724,7 @@ async fn main() -> Result<(), BoxError> {
             bench_dispatch(quick).await?;
         }
         other => {
-            eprintln!("unknown benchmark {other:?}; available: enqueue, dispatch");
+            eprintln!("unknown benchmark {other:?}; available: enqueue, dispatch, relay");
             std::process::exit(2);
         }
     }
