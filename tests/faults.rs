@@ -330,6 +330,15 @@ async fn killed_between_publish_and_mark_the_redispatch_is_deduped_by_msg_id() {
         }
     });
     let hung = tokio::time::timeout(Duration::from_secs(60), rx).await;
+    // The dispatcher marks batch n - 1 while it publishes batch n: give that mark time to
+    // land before the kill (the hanging batch itself is never marked).
+    let marked_before = ((HANG_AT_BATCH - 1) * CHILD_BATCH) as i64;
+    for _ in 0..500 {
+        if hung.is_err() || count_in(&db.pool, "dispatched").await >= marked_before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     // SIGKILL to our own child, whatever happened.
     child.kill().unwrap();
     let status = child.wait().unwrap();
@@ -345,8 +354,7 @@ async fn killed_between_publish_and_mark_the_redispatch_is_deduped_by_msg_id() {
     let dispatched = count_in(&db.pool, "dispatched").await;
     let in_stream = stream.count().await;
     assert_eq!(
-        dispatched,
-        ((HANG_AT_BATCH - 1) * CHILD_BATCH) as i64,
+        dispatched, marked_before,
         "batches before the hanging one were marked"
     );
     assert_eq!(
