@@ -495,6 +495,12 @@ async fn raw_drain_sqlite(pool: &Pool<Sqlite>, publisher: &Recorder) -> Result<u
     }
 }
 
+/// The claim of the hand-written lock-holding loops (here and in `relay`): 100 due rows,
+/// oldest first, locked with `FOR UPDATE SKIP LOCKED` for the rest of the transaction.
+const LOCKED_CLAIM_PG: &str = "SELECT id, subject, payload, headers FROM trellis_outbox \
+     WHERE state IN ('pending', 'failed') AND (next_attempt_at IS NULL OR next_attempt_at <= now()) \
+     ORDER BY created_at, id LIMIT 100 FOR UPDATE SKIP LOCKED";
+
 /// For comparison only, the classic loop without a lease: in one transaction, lock 100 rows
 /// with `FOR UPDATE SKIP LOCKED`, "publish" while holding the locks, one `UPDATE … = ANY($1)`.
 /// It writes each row once instead of twice, but holds row locks (and a transaction) across
@@ -503,13 +509,8 @@ async fn locking_drain_pg(pool: &Pool<Postgres>, publisher: &Recorder) -> Result
     let mut total = 0;
     loop {
         let mut tx = pool.begin().await?;
-        let rows: Vec<(String, String, String, Json<serde_json::Value>)> = sqlx::query_as(
-            "SELECT id, subject, payload, headers FROM trellis_outbox \
-             WHERE state IN ('pending', 'failed') AND (next_attempt_at IS NULL OR next_attempt_at <= now()) \
-             ORDER BY created_at, id LIMIT 100 FOR UPDATE SKIP LOCKED",
-        )
-        .fetch_all(&mut *tx)
-        .await?;
+        let rows: Vec<(String, String, String, Json<serde_json::Value>)> =
+            sqlx::query_as(LOCKED_CLAIM_PG).fetch_all(&mut *tx).await?;
         if rows.is_empty() {
             tx.commit().await?;
             return Ok(total);

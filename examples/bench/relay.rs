@@ -193,13 +193,9 @@ async fn naive_drain(pool: &PgPool, js: &Context) -> Result<u64, BoxError> {
     let mut total = 0;
     loop {
         let mut tx = pool.begin().await?;
-        let rows: Vec<RowTuple> = sqlx::query_as(
-            "SELECT id, subject, payload, headers FROM trellis_outbox \
-             WHERE state IN ('pending', 'failed') AND (next_attempt_at IS NULL OR next_attempt_at <= now()) \
-             ORDER BY created_at, id LIMIT 100 FOR UPDATE SKIP LOCKED",
-        )
-        .fetch_all(&mut *tx)
-        .await?;
+        let rows: Vec<RowTuple> = sqlx::query_as(crate::LOCKED_CLAIM_PG)
+            .fetch_all(&mut *tx)
+            .await?;
         if rows.is_empty() {
             tx.commit().await?;
             return Ok(total);
