@@ -4,7 +4,8 @@
 //! cargo run --release --example bench -- [enqueue|dispatch|relay] [--quick]
 //! ```
 //!
-//! `relay` (Postgres → NATS JetStream) has parts of its own; see `relay.rs`.
+//! `relay` (Postgres → NATS JetStream, needs NATS) has parts of its own; see `relay.rs`.
+//! Without a name, all three run.
 //!
 //! Each comparison alternates rounds of the baseline and of trellis-outbox on the same
 //! database and table, so drift (fsync latency, autovacuum, cache) hits both alike, and
@@ -723,6 +724,9 @@ async fn main() -> Result<(), BoxError> {
         [] => {
             bench_enqueue(quick).await?;
             bench_dispatch(quick).await?;
+            let relay_args: Vec<String> =
+                args.iter().filter(|a| *a == "--quick").cloned().collect();
+            relay::main(&relay_args).await?;
         }
         other => {
             eprintln!("unknown benchmark {other:?}; available: enqueue, dispatch, relay");
