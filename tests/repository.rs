@@ -383,3 +383,134 @@ both!(failed_rows_wait_for_their_retry_time);
 both!(a_drain_wave_does_not_retry_its_own_failures);
 both!(poison_rows_are_reported_not_fatal, "[1, 2]", "not json");
 both!(release_makes_rows_claimable_at_once);
+
+/// A claim on SQLite returns most columns packed into one JSON value: every column must come
+/// back exactly, whatever characters it holds.
+#[tokio::test]
+async fn sqlite_claim_reads_every_column_exactly() {
+    use chrono::{TimeZone, Utc};
+    use trellis_outbox::{OutboxMessageState, OutboxRecordKind};
+
+    let db = sqlite().await;
+    let repo = db.repo();
+    let awkward = "quote \" backslash \\ newline \n tab \t unit \u{1f} emoji \u{1f600} end";
+    sqlx::query(
+        "INSERT INTO trellis_outbox (id, kind, name, subject, payload, headers, state, attempts, \
+         created_at, updated_at, next_attempt_at, last_error, outcome) \
+         VALUES ('failed-row', 'job.create', ?1, 'events.v1.A.B', '{\"p\":\"\\u00e9\"}', ?2, 'failed', 3, \
+         '2026-01-01T00:00:00.123Z', '2026-01-02T00:00:00.456Z', '2026-01-01T00:00:01.000Z', ?1, ?3)",
+    )
+    .bind(awkward)
+    .bind(serde_json::to_string(&json!({ "X-Odd": awkward })).unwrap())
+    .bind(serde_json::to_string(&json!({ "note": awkward, "n": [1, 2.5, null] })).unwrap())
+    .execute(&db.pool)
+    .await
+    .unwrap();
+
+    let claim = repo.claim_due(10, LEASE, None).await.unwrap();
+    assert!(claim.poisoned.is_empty(), "{:?}", claim.poisoned);
+    let [m] = claim.messages.as_slice() else {
+        panic!("{:?}", claim.messages)
+    };
+    assert_eq!(m.id, "failed-row");
+    assert_eq!(m.kind, OutboxRecordKind::JobCreate);
+    assert_eq!(m.name, awkward);
+    assert_eq!(m.subject, "events.v1.A.B");
+    assert_eq!(m.payload, "{\"p\":\"\\u00e9\"}");
+    assert_eq!(m.headers["X-Odd"], awkward);
+    assert_eq!(m.state, OutboxMessageState::Failed);
+    assert_eq!(m.attempts, 3);
+    assert_eq!(
+        m.created_at,
+        Utc.timestamp_millis_opt(1_767_225_600_123).unwrap()
+    );
+    assert_eq!(
+        m.updated_at,
+        Utc.timestamp_millis_opt(1_767_312_000_456).unwrap()
+    );
+    assert_eq!(
+        m.next_attempt_at,
+        Some(Utc.timestamp_millis_opt(1_767_225_601_000).unwrap())
+    );
+    assert_eq!(m.last_error.as_deref(), Some(awkward));
+    assert_eq!(
+        m.outcome,
+        Some(json!({ "note": awkward, "n": [1, 2.5, null] }))
+    );
+}
+
+/// Values a decodable row cannot hold (text in `attempts`, an escaped character in a time, a
+/// BLOB) still make precise poison rows on SQLite, and do not block the rows behind them.
+#[tokio::test]
+async fn sqlite_unusual_poison_rows_are_reported_exactly() {
+    let db = sqlite().await;
+    let repo = db.repo();
+    for (id, attempts, created_at) in [
+        ("poison-attempts", "'many'", "'2026-01-01T00:00:00.000Z'"),
+        ("poison-time", "0", "'2026-01-01T00:00:00.001Z\"'"),
+        ("poison-negative", "-1", "'2026-01-01T00:00:00.002Z'"),
+        // A BLOB: SQLite's JSON functions reject it outright.
+        (
+            "poison-blob",
+            "0",
+            "CAST('2026-01-01T00:00:00.003Z' AS BLOB)",
+        ),
+    ] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO trellis_outbox (id, kind, name, subject, payload, headers, state, attempts, \
+             created_at, updated_at) VALUES ('{id}', 'event.publish', 'A.B', 'events.v1.A.B', '{{}}', \
+             '{{}}', 'pending', {attempts}, {created_at}, '2026-01-01T00:00:00.000Z')"
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    let good = records(2);
+    db.enqueue(&good).await;
+
+    let claim = repo.claim_due(10, LEASE, None).await.unwrap();
+    let ids: Vec<&str> = claim.messages.iter().map(|m| m.id.as_str()).collect();
+    assert_eq!(ids, [good[0].id.as_str(), good[1].id.as_str()]);
+    let reason = |id: &str| {
+        claim
+            .poisoned
+            .iter()
+            .find(|p| p.id == id)
+            .unwrap_or_else(|| panic!("{id} is not poisoned: {:?}", claim.poisoned))
+            .reason
+            .clone()
+    };
+    assert_eq!(claim.poisoned.len(), 4);
+    assert!(reason("poison-attempts").contains("attempts"));
+    assert!(reason("poison-time").contains("created_at"));
+    assert!(reason("poison-negative").contains("attempts"));
+    assert!(reason("poison-negative").contains("out of range"));
+    assert!(reason("poison-blob").contains("created_at"));
+    for poison in &claim.poisoned {
+        assert!(
+            repo.mark_dead(&claim, &poison.id, &poison.reason, false)
+                .await
+                .unwrap()
+        );
+    }
+    assert_eq!(db.row("poison-time").await.0, "dead");
+}
+
+/// The claim's batch size is part of its SQL on SQLite: changing it between claims works.
+#[tokio::test]
+async fn sqlite_claims_with_varying_batch_sizes() {
+    let db = sqlite().await;
+    let repo = db.repo();
+    let rec = records(6);
+    db.enqueue(&rec).await;
+    let mut seen = Vec::new();
+    let mut cutoff = None;
+    for limit in [1, 2, 1, 5, 5] {
+        let claim = repo.claim_due(limit, LEASE, cutoff).await.unwrap();
+        assert!(claim.len() <= limit);
+        cutoff = Some(claim.cutoff);
+        seen.extend(claim.messages.into_iter().map(|m| m.id));
+    }
+    let expected: Vec<String> = rec.into_iter().map(|r| r.id).collect();
+    assert_eq!(seen, expected);
+}

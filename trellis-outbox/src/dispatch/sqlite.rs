@@ -1,15 +1,16 @@
 //! [`OutboxRepository`] on SQLite.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, Row, SqlitePool};
 
-use super::repository::{Claim, Dispatched, OutboxRepository};
+use super::repository::{Claim, Dispatched, OutboxRepository, PoisonRow};
 use crate::error::{Error, Result};
 use crate::record::new_id;
 use crate::sql::COLUMNS;
+use crate::sqlite::{CLAIM_COLUMN_COUNT, CLAIM_COLUMNS, decode_claimed};
 use crate::tables::OutboxTables;
 use crate::time::{format_timestamp, parse_timestamp};
 
@@ -42,14 +43,63 @@ pub struct SqliteOutboxRepository {
 
 #[derive(Debug)]
 struct Statements {
-    claim: String,
-    mark_dispatched: String,
-    mark_dispatched_with_outcomes: String,
-    mark_failed: String,
-    mark_dead: String,
-    release: String,
-    retry: String,
-    next_due_in: String,
+    /// The claim, split around its `LIMIT` (see [`ClaimSql`]).
+    claim: ClaimSql,
+    /// Reads claimed rows column by column (rows whose packed values were unreadable).
+    read_claimed: Arc<str>,
+    mark_dispatched: Arc<str>,
+    mark_dispatched_with_outcomes: Arc<str>,
+    mark_failed: Arc<str>,
+    mark_dead: Arc<str>,
+    release: Arc<str>,
+    retry: Arc<str>,
+    next_due_in: Arc<str>,
+}
+
+/// The claim statement, built per batch size.
+///
+/// The limit is written into the SQL as a literal: SQLite re-prepares a statement whose
+/// `LIMIT` is a bound parameter every time that parameter is bound (the planner may use the
+/// value), which for a claim means parsing and planning it again on every batch. A
+/// dispatcher uses one batch size, so the texts for the last limit are kept.
+#[derive(Debug)]
+struct ClaimSql {
+    /// Up to and including `LIMIT `.
+    head: String,
+    /// After the limit: `RETURNING` the columns.
+    tail: String,
+    /// `tail` plus the cutoff the claim used (for the first claim of a wave).
+    tail_with_cutoff: String,
+    /// The texts for the last limit.
+    last: Mutex<Option<ClaimTexts>>,
+}
+
+/// The claim statements for one limit.
+#[derive(Debug)]
+struct ClaimTexts {
+    limit: i64,
+    plain: Arc<str>,
+    with_cutoff: Arc<str>,
+}
+
+impl ClaimSql {
+    /// The claim for `limit` rows; `with_cutoff` also returns the cutoff as `claim_cutoff`.
+    fn get(&self, limit: i64, with_cutoff: bool) -> Arc<str> {
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        let texts = match &mut *last {
+            Some(texts) if texts.limit == limit => texts,
+            slot => slot.insert(ClaimTexts {
+                limit,
+                plain: format!("{}{limit}{}", self.head, self.tail).into(),
+                with_cutoff: format!("{}{limit}{}", self.head, self.tail_with_cutoff).into(),
+            }),
+        };
+        Arc::clone(if with_cutoff {
+            &texts.with_cutoff
+        } else {
+            &texts.plain
+        })
+    }
 }
 
 impl SqliteOutboxRepository {
@@ -62,24 +112,38 @@ impl SqliteOutboxRepository {
     pub fn with_tables(pool: SqlitePool, tables: &OutboxTables) -> Self {
         let o = tables.outbox();
         let sql = Statements {
-            // ?1 limit, ?2 lease modifier ('+30.000 seconds'), ?3 token, ?4 cutoff or NULL.
-            // Without statistics SQLite prefers the (state, next_attempt_at) index and sorts
-            // every undispatched row per claim; the partial claim index yields them in order.
-            claim: format!(
-                "UPDATE {o} SET claimed_until = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?2), claim_token = ?3 \
-                 WHERE id IN (SELECT id FROM {o} INDEXED BY {o}_claim_idx \
-                 WHERE state IN ('pending', 'failed') \
-                 AND (next_attempt_at IS NULL OR next_attempt_at <= COALESCE(?4, {NOW})) \
-                 AND (claimed_until IS NULL OR claimed_until <= {NOW}) \
-                 ORDER BY created_at, id LIMIT ?1) \
-                 RETURNING {COLUMNS}, COALESCE(?4, {NOW}) AS claim_cutoff"
-            ),
+            // ?1 lease modifier ('+30.000 seconds'), ?2 token, ?3 cutoff or NULL; the limit is
+            // a literal. Without statistics SQLite prefers the (state, next_attempt_at) index
+            // and sorts every undispatched row per claim; the partial claim index yields them
+            // in order.
+            claim: ClaimSql {
+                head: format!(
+                    "UPDATE {o} SET claimed_until = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?1), claim_token = ?2 \
+                     WHERE id IN (SELECT id FROM {o} INDEXED BY {o}_claim_idx \
+                     WHERE state IN ('pending', 'failed') \
+                     AND (next_attempt_at IS NULL OR next_attempt_at <= COALESCE(?3, {NOW})) \
+                     AND (claimed_until IS NULL OR claimed_until <= {NOW}) \
+                     ORDER BY created_at, id LIMIT "
+                ),
+                tail: format!(") RETURNING {CLAIM_COLUMNS}"),
+                tail_with_cutoff: format!(
+                    ") RETURNING {CLAIM_COLUMNS}, COALESCE(?3, {NOW}) AS claim_cutoff"
+                ),
+                last: Mutex::new(None),
+            },
+            // ?1 JSON array of ids, ?2 token.
+            read_claimed: format!(
+                "SELECT {COLUMNS} FROM {o} \
+                 WHERE claim_token = ?2 AND id IN (SELECT value FROM json_each(?1))"
+            )
+            .into(),
             // ?1 JSON array of ids, ?2 token.
             mark_dispatched: format!(
                 "UPDATE {o} SET state = 'dispatched', updated_at = {NOW}, next_attempt_at = NULL, \
                  last_error = NULL, claimed_until = NULL, claim_token = NULL, outcome = NULL \
                  WHERE claim_token = ?2 AND id IN (SELECT value FROM json_each(?1))"
-            ),
+            )
+            .into(),
             // ?1 JSON array of [id, outcome-or-null] pairs, ?2 token.
             mark_dispatched_with_outcomes: format!(
                 "UPDATE {o} SET state = 'dispatched', updated_at = {NOW}, next_attempt_at = NULL, \
@@ -87,32 +151,38 @@ impl SqliteOutboxRepository {
                  outcome = (SELECT NULLIF(d.value -> '$[1]', 'null') FROM json_each(?1) AS d \
                             WHERE d.value ->> '$[0]' = {o}.id) \
                  WHERE claim_token = ?2 AND id IN (SELECT value ->> '$[0]' FROM json_each(?1))"
-            ),
+            )
+            .into(),
             mark_failed: format!(
                 "UPDATE {o} SET state = 'failed', attempts = attempts + 1, updated_at = {NOW}, \
                  next_attempt_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?3), last_error = ?4, \
                  claimed_until = NULL, claim_token = NULL \
                  WHERE id = ?1 AND claim_token = ?2"
-            ),
+            )
+            .into(),
             mark_dead: format!(
                 "UPDATE {o} SET state = 'dead', attempts = attempts + ?3, updated_at = {NOW}, \
                  next_attempt_at = NULL, last_error = ?4, claimed_until = NULL, claim_token = NULL \
                  WHERE id = ?1 AND claim_token = ?2"
-            ),
+            )
+            .into(),
             release: format!(
                 "UPDATE {o} SET claimed_until = NULL, claim_token = NULL \
                  WHERE claim_token = ?2 AND id IN (SELECT value FROM json_each(?1))"
-            ),
+            )
+            .into(),
             retry: format!(
                 "UPDATE {o} SET state = 'pending', attempts = 0, updated_at = {NOW}, next_attempt_at = NULL, \
                  claimed_until = NULL, claim_token = NULL \
                  WHERE id = ?1 AND state IN ('failed', 'dead')"
-            ),
+            )
+            .into(),
             next_due_in: format!(
                 "SELECT (julianday(min(max(COALESCE(next_attempt_at, {NOW}), COALESCE(claimed_until, {NOW})))) \
                  - julianday({NOW})) * 86400.0 \
                  FROM {o} WHERE state IN ('pending', 'failed')"
-            ),
+            )
+            .into(),
         };
         Self {
             pool,
@@ -123,6 +193,28 @@ impl SqliteOutboxRepository {
     /// The pool this repository uses.
     pub fn pool(&self) -> &SqlitePool {
         &self.pool
+    }
+
+    /// Reads the claimed rows `ids`, whose packed values could not be decoded, column by
+    /// column, adding each to `claim` as a message or, with the exact reason, a poison row.
+    async fn read_claimed(&self, claim: &mut Claim, ids: &[String]) -> Result<()> {
+        let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.read_claimed)))
+            .bind(json_array(&ids)?)
+            .bind(&claim.token)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(Error::repository("claim"))?;
+        // A row deleted by hand since the claim is simply not there any more.
+        for row in &rows {
+            match crate::sqlite::decode(row) {
+                Ok(message) => claim.messages.push(message),
+                Err(error) => claim.poisoned.push(PoisonRow {
+                    id: row.try_get(0).unwrap_or_default(),
+                    reason: error.to_string(),
+                }),
+            }
+        }
+        Ok(())
     }
 }
 
@@ -147,11 +239,13 @@ impl OutboxRepository for SqliteOutboxRepository {
     ) -> Result<Claim> {
         let token = new_id();
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        // The first claim of a wave learns the cutoff (the database's clock) from the claim
+        // itself; later claims pass it in and need not read it back.
+        let sql = self.sql.claim.get(limit, cutoff.is_none());
         // One autocommit UPDATE: SQLite takes the write lock when the statement starts, so
         // the claim is atomic and concurrent claimers queue on the busy timeout (the same
         // guarantee as BEGIN IMMEDIATE, in one round trip).
-        let rows = sqlx::query(AssertSqlSafe(self.sql.claim.as_str()))
-            .bind(limit)
+        let rows = sqlx::query(AssertSqlSafe(sql))
             .bind(modifier(lease))
             .bind(&token)
             .bind(cutoff.map(format_timestamp))
@@ -161,13 +255,39 @@ impl OutboxRepository for SqliteOutboxRepository {
         let Some(first) = rows.first() else {
             return Ok(Claim::empty(token, cutoff.unwrap_or_else(Utc::now)));
         };
-        let cutoff_text: String = first
-            .try_get("claim_cutoff")
-            .map_err(|e| Error::decode("", "claim_cutoff", e))?;
-        let cutoff = parse_timestamp(&cutoff_text)
-            .map_err(|e| Error::decode("", "claim_cutoff", format!("{cutoff_text:?}: {e}")))?;
+        let cutoff = match cutoff {
+            Some(cutoff) => cutoff,
+            None => {
+                let text: &str = first
+                    .try_get(CLAIM_COLUMN_COUNT)
+                    .map_err(|e| Error::decode("", "claim_cutoff", e))?;
+                parse_timestamp(text)
+                    .map_err(|e| Error::decode("", "claim_cutoff", format!("{text:?}: {e}")))?
+            }
+        };
         let mut claim = Claim::empty(token, cutoff);
-        claim.extend(&rows, crate::sqlite::decode, |row| row.try_get("id").ok());
+        // Rows whose packed values are unusual, to be read column by column.
+        let mut unread = Vec::new();
+        for row in &rows {
+            match decode_claimed(row) {
+                Ok(Some(message)) => claim.messages.push(message),
+                // decode_claimed read the id before answering None.
+                Ok(None) => unread.push(row.try_get::<String, _>(0).unwrap_or_default()),
+                Err(error) => claim.poisoned.push(PoisonRow {
+                    id: row.try_get(0).unwrap_or_default(),
+                    reason: error.to_string(),
+                }),
+            }
+        }
+        drop(rows);
+        if !unread.is_empty() {
+            self.read_claimed(&mut claim, &unread).await?;
+        }
+        // Dispatch order (as `Claim::extend` sorts): RETURNING does not keep the claim
+        // subquery's order.
+        claim
+            .messages
+            .sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
         Ok(claim)
     }
 
@@ -184,7 +304,7 @@ impl OutboxRepository for SqliteOutboxRepository {
                 rows.iter().map(|r| (r.id.as_str(), &r.outcome)).collect();
             (&self.sql.mark_dispatched_with_outcomes, json_array(&pairs)?)
         };
-        let result = sqlx::query(AssertSqlSafe(sql.as_str()))
+        let result = sqlx::query(AssertSqlSafe(Arc::clone(sql)))
             .bind(list)
             .bind(&claim.token)
             .execute(&self.pool)
@@ -200,7 +320,7 @@ impl OutboxRepository for SqliteOutboxRepository {
         error: &str,
         retry_after: Duration,
     ) -> Result<bool> {
-        let result = sqlx::query(AssertSqlSafe(self.sql.mark_failed.as_str()))
+        let result = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.mark_failed)))
             .bind(id)
             .bind(&claim.token)
             .bind(modifier(retry_after))
@@ -218,7 +338,7 @@ impl OutboxRepository for SqliteOutboxRepository {
         reason: &str,
         count_attempt: bool,
     ) -> Result<bool> {
-        let result = sqlx::query(AssertSqlSafe(self.sql.mark_dead.as_str()))
+        let result = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.mark_dead)))
             .bind(id)
             .bind(&claim.token)
             .bind(i32::from(count_attempt))
@@ -233,7 +353,7 @@ impl OutboxRepository for SqliteOutboxRepository {
         if ids.is_empty() {
             return Ok(0);
         }
-        let result = sqlx::query(AssertSqlSafe(self.sql.release.as_str()))
+        let result = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.release)))
             .bind(json_array(&ids)?)
             .bind(&claim.token)
             .execute(&self.pool)
@@ -243,7 +363,7 @@ impl OutboxRepository for SqliteOutboxRepository {
     }
 
     async fn retry(&self, id: &str) -> Result<bool> {
-        let result = sqlx::query(AssertSqlSafe(self.sql.retry.as_str()))
+        let result = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.retry)))
             .bind(id)
             .execute(&self.pool)
             .await
@@ -252,10 +372,11 @@ impl OutboxRepository for SqliteOutboxRepository {
     }
 
     async fn next_due_in(&self) -> Result<Option<Duration>> {
-        let seconds: Option<f64> = sqlx::query_scalar(AssertSqlSafe(self.sql.next_due_in.as_str()))
-            .fetch_one(&self.pool)
-            .await
-            .map_err(Error::repository("next due"))?;
+        let seconds: Option<f64> =
+            sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.sql.next_due_in)))
+                .fetch_one(&self.pool)
+                .await
+                .map_err(Error::repository("next due"))?;
         Ok(seconds.map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::ZERO)))
     }
 }
