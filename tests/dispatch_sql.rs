@@ -377,10 +377,11 @@ async fn a_dispatcher_killed_mid_batch_loses_nothing() {
     );
     let twice = published.values().filter(|n| **n > 1).count();
     // Only rows the child had published but not yet marked when it died go out again (the
-    // JetStream Nats-Msg-Id de-duplicates those); never more than one claimed batch.
+    // JetStream Nats-Msg-Id de-duplicates those). The dispatcher marks batch n - 1 while it
+    // publishes batch n, so that is at most two batches.
     assert!(
-        twice <= 50,
-        "{twice} rows published twice; at most one batch (50) may be"
+        twice <= 100,
+        "{twice} rows published twice; at most two batches (2 x 50) may be"
     );
     assert!(published.values().all(|n| *n <= 2));
     println!(

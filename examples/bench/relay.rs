@@ -47,7 +47,7 @@
 //!
 //! `sweep` (not in the default run) drains with several batch sizes and ack windows and prints
 //! the time per batch spent claiming, publishing and marking; it was used to pick the
-//! default `--batch 500` (the ack window defaults to the library's 256).
+//! default `--batch 1000` (the ack window defaults to the library's 256).
 //!
 //! Machine-readable lines: `BENCH name=… ours=… baseline=… ratio=…`,
 //! `LATENCY name=… p50_ms=… p99_ms=…`, `RSS name=drain_1m peak_mb=…`.
@@ -350,7 +350,7 @@ async fn bench_throughput(settings: Settings, table: &mut Vec<TableRow>) -> Resu
     let (rounds, rows, small) = if settings.quick {
         (3, 20_000, 2_000)
     } else {
-        (3, 100_000, 5_000)
+        (5, 100_000, 5_000)
     };
     let pg = TestPg::new().await;
     trellis_outbox::migrate(&pg.pool).await?;
@@ -1017,7 +1017,7 @@ pub(crate) async fn main(args: &[String]) -> Result<(), BoxError> {
     }
     let settings = Settings {
         quick: args.iter().any(|a| a == "--quick"),
-        batch: arg_value(args, "--batch", 500)?,
+        batch: arg_value(args, "--batch", 1000)?,
         window: arg_value(args, "--window", trellis_outbox::DEFAULT_ACK_WINDOW)?,
     };
     let no_table = args.iter().any(|a| a == "--no-table");

@@ -53,6 +53,7 @@ pub struct PgOutboxRepository {
 struct Statements {
     claim: String,
     mark_dispatched: String,
+    mark_dispatched_with_outcomes: String,
     mark_failed: String,
     mark_dead: String,
     release: String,
@@ -80,7 +81,13 @@ impl PgOutboxRepository {
                  AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL \
                  RETURNING {COLUMNS}, COALESCE($4, now()) AS claim_cutoff"
             ),
+            // Events have no outcome: the plain form saves the UNNEST join and the jsonb cast.
             mark_dispatched: format!(
+                "UPDATE {o} SET state = 'dispatched', updated_at = now(), next_attempt_at = NULL, \
+                 last_error = NULL, outcome = NULL, claimed_until = NULL, claim_token = NULL \
+                 WHERE id = ANY($1) AND claim_token = $2"
+            ),
+            mark_dispatched_with_outcomes: format!(
                 "UPDATE {o} AS o SET state = 'dispatched', updated_at = now(), next_attempt_at = NULL, \
                  last_error = NULL, outcome = d.outcome::jsonb, claimed_until = NULL, claim_token = NULL \
                  FROM UNNEST($1::text[], $2::text[]) AS d(id, outcome) \
@@ -161,14 +168,23 @@ impl OutboxRepository for PgOutboxRepository {
             return Ok(0);
         }
         let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
-        let outcomes: Vec<Option<String>> = rows
-            .iter()
-            .map(|r| r.outcome.as_ref().map(serde_json::Value::to_string))
-            .collect();
-        let result = sqlx::query(AssertSqlSafe(self.sql.mark_dispatched.as_str()))
+        let query = if rows.iter().all(|r| r.outcome.is_none()) {
+            sqlx::query(AssertSqlSafe(self.sql.mark_dispatched.as_str()))
+                .bind(ids)
+                .bind(&claim.token)
+        } else {
+            let outcomes: Vec<Option<String>> = rows
+                .iter()
+                .map(|r| r.outcome.as_ref().map(serde_json::Value::to_string))
+                .collect();
+            sqlx::query(AssertSqlSafe(
+                self.sql.mark_dispatched_with_outcomes.as_str(),
+            ))
             .bind(ids)
             .bind(outcomes)
             .bind(&claim.token)
+        };
+        let result = query
             .execute(&self.pool)
             .await
             .map_err(Error::repository("mark dispatched"))?;
