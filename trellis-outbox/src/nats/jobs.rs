@@ -33,6 +33,12 @@ use crate::time::format_timestamp;
 /// Calls are made one row at a time, in row order, so a keyed queue sees submissions in the
 /// order they were enqueued. [`JobRequest::from_message`] decodes the row.
 ///
+/// Admission includes its lifecycle events: as Trellis' job manager does, the jobs manager
+/// behind this trait publishes the `created` event of an admitted job and, for a keyed
+/// `replace-oldest` queue, the `skipped` event of the job it replaced (`Nats-Msg-Id`
+/// `trellis-job-skipped:<submissionId>:<replacedJobId>`, spec §D.3). The publisher only
+/// records the returned [`JobAdmission`] in the row's `outcome`.
+///
 /// # Examples
 ///
 /// ```no_run
