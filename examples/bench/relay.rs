@@ -285,6 +285,33 @@ enum Side {
 
 static STAGES: std::sync::LazyLock<Arc<Stages>> = std::sync::LazyLock::new(Arc::default);
 
+/// A point in one row's way through the dispatcher.
+#[derive(Clone, Copy)]
+enum Step {
+    ClaimStarted = 0,
+    Claimed = 1,
+    PublishStarted = 2,
+}
+
+/// Per-row steps `(seq, step, wall-clock ns)` recorded by [`Timed`] while the latency part
+/// runs (`None`: not recording). Rows are recognised by the `seq` field of their payload.
+static ROW_STEPS: Mutex<Option<Vec<(u64, Step, u64)>>> = Mutex::new(None);
+
+fn record_steps<'a>(messages: impl IntoIterator<Item = &'a OutboxMessage>, step: Step, at: u64) {
+    let mut steps = ROW_STEPS.lock().expect("not poisoned");
+    let Some(steps) = steps.as_mut() else {
+        return;
+    };
+    for message in messages {
+        let seq = serde_json::from_str::<serde_json::Value>(&message.payload)
+            .ok()
+            .and_then(|v| v["seq"].as_u64());
+        if let Some(seq) = seq {
+            steps.push((seq, step, at));
+        }
+    }
+}
+
 /// Loads `rows`, purges the stream, times one drain, and verifies the result.
 async fn timed_drain(
     pool: &PgPool,
@@ -553,6 +580,44 @@ fn report_latency(
         percentile(&commit, 50.0),
         percentile(&commit, 99.0)
     );
+    println!("  {name}: dispatcher {}", STAGES.take());
+    // Where each row's time after its commit went (first claim and publish of the row).
+    let steps = ROW_STEPS.lock().expect("not poisoned").replace(Vec::new());
+    let mut at = vec![[0u64; 3]; sent.len()];
+    for (seq, step, t) in steps.into_iter().flatten() {
+        if let Some(slot) = at.get_mut(seq as usize) {
+            let slot = &mut slot[step as usize];
+            if *slot == 0 {
+                *slot = t;
+            }
+        }
+    }
+    let mut parts: [Vec<f64>; 3] = Default::default();
+    for &(seq, _, committed) in &sent[warmup..] {
+        let [claim_started, claimed, publish_started] = at[seq as usize];
+        if claim_started == 0 || publish_started == 0 {
+            continue;
+        }
+        let ms = |from: u64, to: u64| to.saturating_sub(from) as f64 / 1e6;
+        parts[0].push(ms(committed, claim_started));
+        parts[1].push(ms(claim_started, claimed));
+        parts[2].push(ms(committed, publish_started));
+    }
+    let mut line = format!("  {name}: after the commit returned (p50/p99 ms):");
+    for (label, part) in ["until a claim began", "that claim", "until published"]
+        .iter()
+        .zip(&mut parts)
+    {
+        part.sort_by(f64::total_cmp);
+        if !part.is_empty() {
+            line += &format!(
+                " {label} {:.2}/{:.2};",
+                percentile(part, 50.0),
+                percentile(part, 99.0)
+            );
+        }
+    }
+    println!("{}", line.trim_end_matches(';'));
     table.push((
         name.to_owned(),
         format!(
@@ -586,6 +651,7 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
          subscription; dispatcher batch_size {} ack_window {}",
         settings.batch, settings.window
     );
+    *ROW_STEPS.lock().expect("not poisoned") = Some(Vec::new());
     let outcome = async {
         // (i) in-process notify.
         let subject = stream.subject("lat.inprocess");
@@ -594,8 +660,14 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
         sub_client.flush().await?;
         let receiver = tokio::spawn(receive(sub, count, seen.clone()));
         let dispatcher = OutboxDispatcher::builder(
-            PgOutboxRepository::new(dispatcher_pool(&pg).await?),
-            publisher(&js, settings),
+            Timed {
+                inner: PgOutboxRepository::new(dispatcher_pool(&pg).await?),
+                stages: Arc::clone(&STAGES),
+            },
+            Timed {
+                inner: publisher(&js, settings),
+                stages: Arc::clone(&STAGES),
+            },
         )
         .batch_size(settings.batch)
         .start()?;
@@ -630,8 +702,14 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
         sub_client.flush().await?;
         let receiver = tokio::spawn(receive(sub, count, seen.clone()));
         let dispatcher = OutboxDispatcher::builder(
-            PgOutboxRepository::new(dispatcher_pool(&pg).await?),
-            publisher(&js, settings),
+            Timed {
+                inner: PgOutboxRepository::new(dispatcher_pool(&pg).await?),
+                stages: Arc::clone(&STAGES),
+            },
+            Timed {
+                inner: publisher(&js, settings),
+                stages: Arc::clone(&STAGES),
+            },
         )
         .batch_size(settings.batch)
         .listen_postgres(&pg.pool, &OutboxTables::default())
@@ -694,6 +772,7 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
         Ok::<_, BoxError>(())
     }
     .await;
+    *ROW_STEPS.lock().expect("not poisoned") = None;
     stream.delete().await;
     pg.close().await;
     outcome
@@ -834,7 +913,7 @@ impl Stages {
         let batches = self.batches.swap(0, Ordering::Relaxed).max(1) as f64;
         let (claim, publish, mark) = (ms(&self.claim_ns), ms(&self.publish_ns), ms(&self.mark_ns));
         format!(
-            "per batch: claim {:.2} ms, publish {:.2} ms, mark {:.2} ms",
+            "{batches} claims; per claim: claim {:.2} ms, publish {:.2} ms, mark {:.2} ms",
             claim / batches,
             publish / batches,
             mark / batches
@@ -856,8 +935,13 @@ impl<R: OutboxRepository> OutboxRepository for Timed<R> {
         cutoff: Option<chrono::DateTime<chrono::Utc>>,
     ) -> trellis_outbox::Result<Claim> {
         let start = Instant::now();
+        let started = now_ns();
         let claim = self.inner.claim_due(limit, lease, cutoff).await;
         Stages::add(&self.stages.claim_ns, start);
+        if let Ok(claim) = &claim {
+            record_steps(&claim.messages, Step::ClaimStarted, started);
+            record_steps(&claim.messages, Step::Claimed, now_ns());
+        }
         self.stages.batches.fetch_add(1, Ordering::Relaxed);
         claim
     }
@@ -920,6 +1004,7 @@ impl<P: Publisher> Publisher for Timed<P> {
         messages: &[OutboxMessage],
     ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
         let start = Instant::now();
+        record_steps(messages, Step::PublishStarted, now_ns());
         let out = self.inner.publish_batch(messages).await;
         Stages::add(&self.stages.publish_ns, start);
         out
