@@ -1,7 +1,7 @@
 //! Postgres LISTEN/NOTIFY wake-ups: sent by enqueue, delivered only on commit, the
 //! listener survives a terminated connection (re-LISTEN, then one re-scan wake-up), an
 //! outbox built without NOTIFY sends none, and a dispatcher built with `listen_postgres`
-//! wakes on commits nobody told it about.
+//! wakes on commits nobody told it about (and reports every failed attempt to listen).
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
@@ -205,5 +205,155 @@ async fn a_listening_dispatcher_wakes_on_commits_it_was_not_told_about() {
         0,
         "shutdown left the listener running"
     );
+    db.close().await;
+}
+
+#[tokio::test]
+async fn a_listener_that_cannot_connect_reports_every_attempt_and_the_dispatcher_still_works() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    // A pool on a database that does not exist: every connect fails.
+    let options: sqlx::postgres::PgConnectOptions =
+        trellis_outbox_tests::database_url().parse().unwrap();
+    let deaf = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_lazy_with(options.database("trellis_outbox_no_such_database"));
+    let errors = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let seen = errors.clone();
+    let publisher = RecordingPublisher::new();
+    let dispatcher =
+        OutboxDispatcher::builder(PgOutboxRepository::new(db.pool.clone()), publisher.clone())
+            .idle_interval(Duration::from_secs(3600))
+            .listen_postgres(&deaf, &OutboxTables::default())
+            .on_error(move |error| {
+                if let trellis_outbox::DispatchError::Repository { operation, .. } = error {
+                    seen.lock().unwrap().push((*operation).to_owned());
+                }
+            })
+            .start()
+            .unwrap();
+    // Backoff 100, 200, 400 ms …: three failed attempts well within 10 s.
+    for _ in 0..100 {
+        if errors.lock().unwrap().len() >= 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let reported = errors.lock().unwrap().clone();
+    assert!(
+        reported.len() >= 3,
+        "failed attempts reported: {reported:?}"
+    );
+    assert!(
+        reported.iter().all(|op| op == "listen for wake-ups"),
+        "{reported:?}"
+    );
+
+    // The dispatcher itself is unaffected: an in-process notify still dispatches.
+    let mut tx = db.pool.begin().await.unwrap();
+    let row = tx.enqueue(&record()).await.unwrap();
+    tx.commit().await.unwrap();
+    dispatcher.notify();
+    assert!(publisher.wait_for_attempts(1, Duration::from_secs(5)).await);
+    assert_eq!(publisher.successes(), [row.id]);
+
+    tokio::time::timeout(Duration::from_secs(5), dispatcher.shutdown())
+        .await
+        .expect("shutdown waits for a listener that never connected");
+    db.close().await;
+}
+
+#[tokio::test]
+async fn a_listener_that_loses_its_database_reports_each_failed_reconnect_then_recovers() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    // The listener's own pool, so that cutting its connection leaves no idle one to reuse.
+    let listen_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_with(db.options.clone())
+        .await
+        .unwrap();
+    let errors = Arc::new(AtomicUsize::new(0));
+    let seen = errors.clone();
+    let publisher = RecordingPublisher::new();
+    let dispatcher =
+        OutboxDispatcher::builder(PgOutboxRepository::new(db.pool.clone()), publisher.clone())
+            .idle_interval(Duration::from_secs(3600))
+            .listen_postgres(&listen_pool, &OutboxTables::default())
+            .on_error(move |error| {
+                if matches!(
+                    error,
+                    trellis_outbox::DispatchError::Repository {
+                        operation: "listen for wake-ups",
+                        ..
+                    }
+                ) {
+                    seen.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+            .start()
+            .unwrap();
+    for _ in 0..500 {
+        if listeners(&db).await == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(listeners(&db).await, 1, "the dispatcher is not listening");
+    assert_eq!(errors.load(Ordering::SeqCst), 0);
+
+    // New connections are refused, then the listening one is cut.
+    let admin = sqlx::PgPool::connect(&trellis_outbox_tests::database_url())
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE \"{}\" WITH ALLOW_CONNECTIONS false",
+        db.name
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = $1 AND query LIKE 'LISTEN%'",
+    )
+    .bind(&db.name)
+    .execute(&admin)
+    .await
+    .unwrap();
+    for _ in 0..100 {
+        if errors.load(Ordering::SeqCst) >= 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let failed = errors.load(Ordering::SeqCst);
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE \"{}\" WITH ALLOW_CONNECTIONS true",
+        db.name
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+    assert!(failed >= 2, "failed reconnects reported: {failed}");
+
+    // It listens again, and a commit nobody announced is dispatched.
+    for _ in 0..1000 {
+        if listeners(&db).await == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(listeners(&db).await, 1, "the listener did not come back");
+    let mut tx = db.pool.begin().await.unwrap();
+    let row = tx.enqueue(&record()).await.unwrap();
+    tx.commit().await.unwrap();
+    assert!(publisher.wait_for_attempts(1, Duration::from_secs(5)).await);
+    assert_eq!(publisher.successes(), [row.id]);
+
+    dispatcher.shutdown().await;
+    listen_pool.close().await;
+    admin.close().await;
     db.close().await;
 }

@@ -879,9 +879,10 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
     /// outbox: a [`PgWakeups`](crate::PgWakeups) listener on `pool` (one connection) runs
     /// beside the dispatcher task and calls [`notify`](OutboxDispatcher::notify) for every
     /// notification, re-`LISTEN`s after a dropped connection and then notifies once to
-    /// re-scan. It stops with the dispatcher. If the first `LISTEN` fails, the error goes to
-    /// [`on_error`](Self::on_error) (operation `listen for wake-ups`) and it is retried with
-    /// backoff; polling every [`idle_interval`](Self::idle_interval) stays the safety net.
+    /// re-scan. It stops with the dispatcher. Every failed connect or `LISTEN`, the first or
+    /// one after a dropped connection, goes to [`on_error`](Self::on_error) (operation
+    /// `listen for wake-ups`) and is retried with backoff (100 ms doubling to 5 s); polling
+    /// every [`idle_interval`](Self::idle_interval) stays the safety net meanwhile.
     ///
     /// `tables` must be the outbox's tables (the channel is derived from the outbox table).
     ///
@@ -1162,8 +1163,9 @@ fn log_join(result: std::result::Result<(), tokio::task::JoinError>) {
     }
 }
 
-/// The task of [`DispatcherBuilder::listen_postgres`]: starts a [`PgWakeups`] listener that
-/// notifies `handle` (retrying the first `LISTEN` with backoff), and stops it on `cancel`.
+/// The task of [`DispatcherBuilder::listen_postgres`]: runs a [`PgWakeups`] listener that
+/// notifies `handle` (connecting and re-connecting with backoff, each failure reported as
+/// a repository error of operation "listen for wake-ups") until `cancel`.
 ///
 /// [`PgWakeups`]: crate::PgWakeups
 #[cfg(feature = "postgres")]
@@ -1174,34 +1176,20 @@ async fn listen(
     cancel: CancellationToken,
     on_error: Option<ErrorCallback>,
 ) {
-    let mut backoff = Duration::from_millis(100);
-    let wakeups = loop {
-        let notify = handle.clone();
-        let listening = crate::PgWakeups::listen(&pool, &tables, move || notify.notify());
-        let error = tokio::select! {
-            biased;
-            () = cancel.cancelled() => return,
-            listening = listening => match listening {
-                Ok(wakeups) => break wakeups,
-                Err(error) => error,
-            },
-        };
-        report_error(
-            on_error.as_deref(),
-            &DispatchError::Repository {
-                operation: "listen for wake-ups",
-                source: error,
-            },
-        );
-        tokio::select! {
-            biased;
-            () = cancel.cancelled() => return,
-            () = tokio::time::sleep(backoff) => {}
-        }
-        backoff = (backoff * 2).min(Duration::from_secs(5));
-    };
-    // Rows committed before the LISTEN took effect: one scan finds them.
-    handle.notify();
+    let wakeups = crate::PgWakeups::start(
+        &pool,
+        &tables,
+        move || handle.notify(),
+        move |error| {
+            report_error(
+                on_error.as_deref(),
+                &DispatchError::Repository {
+                    operation: "listen for wake-ups",
+                    source: error,
+                },
+            );
+        },
+    );
     cancel.cancelled().await;
     wakeups.stop().await;
 }

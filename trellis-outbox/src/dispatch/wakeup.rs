@@ -13,6 +13,7 @@ use crate::sql::notify_channel;
 use crate::tables::OutboxTables;
 
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
+const UNLISTEN_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Calls a wake-up function whenever a transaction that enqueued rows on this outbox commits,
 /// in any process (Postgres `LISTEN`/`NOTIFY`).
@@ -64,18 +65,46 @@ impl PgWakeups {
     {
         let channel = notify_channel(tables);
         let listener = connect(pool, &channel).await?;
-        let (stop, stopped) = watch::channel(false);
-        let task = tokio::spawn(run(
-            pool.clone(),
+        Ok(Self::spawn(
+            pool,
             channel,
             Arc::new(wake),
-            listener,
-            stopped,
-        ));
-        Ok(Self {
+            Some(listener),
+            None,
+        ))
+    }
+
+    /// Starts listening in the background without waiting for the first `LISTEN`: the task
+    /// connects (retrying with backoff), calls `wake` once it listens, and reports every
+    /// failed connect or `LISTEN` to `on_error` (operation `listen`).
+    pub(crate) fn start(
+        pool: &PgPool,
+        tables: &OutboxTables,
+        wake: impl Fn() + Send + Sync + 'static,
+        on_error: impl Fn(Error) + Send + Sync + 'static,
+    ) -> Self {
+        Self::spawn(
+            pool,
+            notify_channel(tables),
+            Arc::new(wake),
+            None,
+            Some(Arc::new(on_error)),
+        )
+    }
+
+    fn spawn(
+        pool: &PgPool,
+        channel: String,
+        wake: Arc<dyn Fn() + Send + Sync>,
+        first: Option<PgListener>,
+        on_error: Option<Arc<dyn Fn(Error) + Send + Sync>>,
+    ) -> Self {
+        let (stop, stopped) = watch::channel(false);
+        let task = tokio::spawn(run(pool.clone(), channel, wake, first, on_error, stopped));
+        Self {
             stop,
             task: Some(task),
-        })
+        }
     }
 
     /// Stops listening and waits for the listener task to end.
@@ -107,19 +136,20 @@ async fn run(
     pool: PgPool,
     channel: String,
     wake: Arc<dyn Fn() + Send + Sync>,
-    first: PgListener,
+    first: Option<PgListener>,
+    on_error: Option<Arc<dyn Fn(Error) + Send + Sync>>,
     mut stopped: watch::Receiver<bool>,
 ) {
-    let mut listener = Some(first);
+    let mut listener = first;
     let mut backoff = Duration::from_millis(100);
     loop {
         if *stopped.borrow() {
-            return;
+            break;
         }
         let Some(active) = listener.as_mut() else {
             match connect(&pool, &channel).await {
                 Ok(fresh) => {
-                    tracing::info!(%channel, "outbox wake-up listener reconnected");
+                    tracing::info!(%channel, "outbox wake-up listener is listening");
                     listener = Some(fresh);
                     backoff = Duration::from_millis(100);
                     // Listening again: now re-scan for what was committed meanwhile.
@@ -127,6 +157,9 @@ async fn run(
                 }
                 Err(error) => {
                     tracing::warn!(%channel, %error, ?backoff, "outbox wake-up listener cannot reconnect");
+                    if let Some(on_error) = &on_error {
+                        on_error(error);
+                    }
                     tokio::select! {
                         _ = tokio::time::sleep(backoff) => {}
                         _ = stopped.changed() => return,
@@ -137,7 +170,7 @@ async fn run(
             continue;
         };
         tokio::select! {
-            _ = stopped.changed() => return,
+            _ = stopped.changed() => break,
             received = active.try_recv() => match received {
                 Ok(Some(_)) => wake(),
                 // The connection dropped and sqlx re-established it and re-issued LISTEN
@@ -152,5 +185,10 @@ async fn run(
                 }
             },
         }
+    }
+    // Stop listening before `stop()` returns (dropping a `PgListener` only queues its
+    // `UNLISTEN` on a background task); bounded, in case the connection is gone.
+    if let Some(mut listener) = listener {
+        let _ = tokio::time::timeout(UNLISTEN_TIMEOUT, listener.unlisten_all()).await;
     }
 }
