@@ -170,6 +170,17 @@ async fn listeners(db: &TestPg) -> i64 {
     .unwrap()
 }
 
+/// Waits up to 10 s for exactly one listening connection; fails with `what` otherwise.
+async fn until_listening(db: &TestPg, what: &str) {
+    for _ in 0..1000 {
+        if listeners(db).await == 1 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(listeners(db).await, 1, "{what}");
+}
+
 #[tokio::test]
 async fn a_listening_dispatcher_wakes_on_commits_it_was_not_told_about() {
     let db = TestPg::new().await;
@@ -181,13 +192,7 @@ async fn a_listening_dispatcher_wakes_on_commits_it_was_not_told_about() {
             .listen_postgres(&db.pool, &OutboxTables::default())
             .start()
             .unwrap();
-    for _ in 0..500 {
-        if listeners(&db).await == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(listeners(&db).await, 1, "the dispatcher is not listening");
+    until_listening(&db, "the dispatcher is not listening").await;
 
     // Committed by "another process" (nobody calls notify()).
     let mut tx = db.pool.begin().await.unwrap();
@@ -294,13 +299,7 @@ async fn a_listener_that_loses_its_database_reports_each_failed_reconnect_then_r
             })
             .start()
             .unwrap();
-    for _ in 0..500 {
-        if listeners(&db).await == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(listeners(&db).await, 1, "the dispatcher is not listening");
+    until_listening(&db, "the dispatcher is not listening").await;
     assert_eq!(errors.load(Ordering::SeqCst), 0);
 
     // New connections are refused, then the listening one is cut.
@@ -339,13 +338,7 @@ async fn a_listener_that_loses_its_database_reports_each_failed_reconnect_then_r
     assert!(failed >= 2, "failed reconnects reported: {failed}");
 
     // It listens again, and a commit nobody announced is dispatched.
-    for _ in 0..1000 {
-        if listeners(&db).await == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(listeners(&db).await, 1, "the listener did not come back");
+    until_listening(&db, "the listener did not come back").await;
     let mut tx = db.pool.begin().await.unwrap();
     let row = tx.enqueue(&record()).await.unwrap();
     tx.commit().await.unwrap();

@@ -63,9 +63,9 @@ use futures::StreamExt;
 use sqlx::types::Json;
 use sqlx::{PgPool, Postgres};
 use trellis_outbox::{
-    Claim, DispatchOptions, Dispatched, JetStreamPublisher, Outbox, OutboxDispatcher,
-    OutboxMessage, OutboxRepository, OutboxTables, OutboxTransactionExt, PgOutboxRepository,
-    PreparedOutboxRecord, PublishError, Publisher, dispatch_outbox,
+    Claim, DispatchOptions, Dispatched, DispatcherBuilder, JetStreamPublisher, Outbox,
+    OutboxDispatcher, OutboxMessage, OutboxRepository, OutboxTables, OutboxTransactionExt,
+    PgOutboxRepository, PreparedOutboxRecord, PublishError, Publisher, dispatch_outbox,
 };
 use trellis_outbox_tests::TestPg;
 
@@ -638,6 +638,25 @@ async fn wait_for(seen: &Mutex<Vec<(u64, u64)>>, count: u64) {
     }
 }
 
+/// The latency runs' dispatcher: its own pool, stage timers, the run's batch size.
+async fn latency_dispatcher(
+    pg: &TestPg,
+    js: &Context,
+    settings: Settings,
+) -> Result<DispatcherBuilder<Timed<PgOutboxRepository>, Timed<JetStreamPublisher>>, BoxError> {
+    Ok(OutboxDispatcher::builder(
+        Timed {
+            inner: PgOutboxRepository::new(dispatcher_pool(pg).await?),
+            stages: Arc::clone(&STAGES),
+        },
+        Timed {
+            inner: publisher(js, settings),
+            stages: Arc::clone(&STAGES),
+        },
+    )
+    .batch_size(settings.batch))
+}
+
 async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<(), BoxError> {
     let count: u64 = if settings.quick { 3_000 } else { 10_000 };
     let interval = Duration::from_millis(1);
@@ -659,18 +678,7 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
         let sub = sub_client.subscribe(subject.clone()).await?;
         sub_client.flush().await?;
         let receiver = tokio::spawn(receive(sub, count, seen.clone()));
-        let dispatcher = OutboxDispatcher::builder(
-            Timed {
-                inner: PgOutboxRepository::new(dispatcher_pool(&pg).await?),
-                stages: Arc::clone(&STAGES),
-            },
-            Timed {
-                inner: publisher(&js, settings),
-                stages: Arc::clone(&STAGES),
-            },
-        )
-        .batch_size(settings.batch)
-        .start()?;
+        let dispatcher = latency_dispatcher(&pg, &js, settings).await?.start()?;
         let handle = dispatcher.handle();
         let notify = handle.clone();
         // Nobody LISTENs in this mode: the producer's outbox sends no NOTIFY.
@@ -701,19 +709,10 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
         let sub = sub_client.subscribe(subject.clone()).await?;
         sub_client.flush().await?;
         let receiver = tokio::spawn(receive(sub, count, seen.clone()));
-        let dispatcher = OutboxDispatcher::builder(
-            Timed {
-                inner: PgOutboxRepository::new(dispatcher_pool(&pg).await?),
-                stages: Arc::clone(&STAGES),
-            },
-            Timed {
-                inner: publisher(&js, settings),
-                stages: Arc::clone(&STAGES),
-            },
-        )
-        .batch_size(settings.batch)
-        .listen_postgres(&pg.pool, &OutboxTables::default())
-        .start()?;
+        let dispatcher = latency_dispatcher(&pg, &js, settings)
+            .await?
+            .listen_postgres(&pg.pool, &OutboxTables::default())
+            .start()?;
         // The listener is up once its connection is idle in LISTEN.
         for _ in 0..500 {
             let listening: i64 = sqlx::query_scalar(
