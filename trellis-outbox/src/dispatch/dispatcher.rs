@@ -879,10 +879,11 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
     /// outbox: a [`PgWakeups`](crate::PgWakeups) listener on `pool` (one connection) runs
     /// beside the dispatcher task and calls [`notify`](OutboxDispatcher::notify) for every
     /// notification, re-`LISTEN`s after a dropped connection and then notifies once to
-    /// re-scan. It stops with the dispatcher. Every failed connect or `LISTEN`, the first or
-    /// one after a dropped connection, goes to [`on_error`](Self::on_error) (operation
-    /// `listen for wake-ups`) and is retried with backoff (100 ms doubling to 5 s); polling
-    /// every [`idle_interval`](Self::idle_interval) stays the safety net meanwhile.
+    /// re-scan. It stops with the dispatcher. A lost connection sqlx could not restore and
+    /// every failed connect or `LISTEN`, the first or a later one, go to
+    /// [`on_error`](Self::on_error) (operation `listen for wake-ups`) and are retried with
+    /// backoff (100 ms doubling to 5 s); polling every [`idle_interval`](Self::idle_interval)
+    /// stays the safety net meanwhile.
     ///
     /// `tables` must be the outbox's tables (the channel is derived from the outbox table).
     ///

@@ -76,7 +76,8 @@ impl PgWakeups {
 
     /// Starts listening in the background without waiting for the first `LISTEN`: the task
     /// connects (retrying with backoff), calls `wake` once it listens, and reports every
-    /// failed connect or `LISTEN` to `on_error` (operation `listen`).
+    /// failed connect or `LISTEN`, and every lost connection sqlx could not restore, to
+    /// `on_error` (operation `listen`).
     pub(crate) fn start(
         pool: &PgPool,
         tables: &OutboxTables,
@@ -181,6 +182,9 @@ async fn run(
                 }
                 Err(error) => {
                     tracing::warn!(%channel, %error, "outbox wake-up listener lost its connection");
+                    if let Some(on_error) = &on_error {
+                        on_error(Error::repository("listen")(error));
+                    }
                     listener = None;
                 }
             },
