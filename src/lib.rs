@@ -85,6 +85,17 @@ impl TestPg {
         }
     }
 
+    /// How many of this database's connections (other than the asking one) are listening:
+    /// idle after a `LISTEN`.
+    pub async fn listening_connections(&self) -> sqlx::Result<i64> {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND query LIKE 'LISTEN%' AND pid <> pg_backend_pid()",
+        )
+        .fetch_one(&self.pool)
+        .await
+    }
+
     /// Closes the pool and drops the database.
     pub async fn close(self) {
         self.pool.close().await;

@@ -161,13 +161,7 @@ async fn an_outbox_without_notify_wakes_nobody_but_still_stores() {
 
 /// The number of this database's connections that are listening (idle after `LISTEN`).
 async fn listeners(db: &TestPg) -> i64 {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM pg_stat_activity \
-         WHERE datname = current_database() AND query LIKE 'LISTEN%' AND pid <> pg_backend_pid()",
-    )
-    .fetch_one(&db.pool)
-    .await
-    .unwrap()
+    db.listening_connections().await.unwrap()
 }
 
 /// Waits up to 10 s for exactly one listening connection; fails with `what` otherwise.
@@ -218,11 +212,13 @@ async fn a_listener_that_cannot_connect_reports_every_attempt_and_the_dispatcher
     let db = TestPg::new().await;
     migrate(&db.pool).await.unwrap();
     // A pool on a database that does not exist: every connect fails.
-    let options: sqlx::postgres::PgConnectOptions =
-        trellis_outbox_tests::database_url().parse().unwrap();
     let deaf = sqlx::postgres::PgPoolOptions::new()
         .acquire_timeout(Duration::from_secs(2))
-        .connect_lazy_with(options.database("trellis_outbox_no_such_database"));
+        .connect_lazy_with(
+            db.options
+                .clone()
+                .database("trellis_outbox_no_such_database"),
+        );
     let errors = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
     let seen = errors.clone();
     let publisher = RecordingPublisher::new();

@@ -297,7 +297,7 @@ enum Step {
 /// runs (`None`: not recording). Rows are recognised by the `seq` field of their payload.
 static ROW_STEPS: Mutex<Option<Vec<(u64, Step, u64)>>> = Mutex::new(None);
 
-fn record_steps<'a>(messages: impl IntoIterator<Item = &'a OutboxMessage>, step: Step, at: u64) {
+fn record_steps(messages: &[OutboxMessage], at: &[(Step, u64)]) {
     let mut steps = ROW_STEPS.lock().expect("not poisoned");
     let Some(steps) = steps.as_mut() else {
         return;
@@ -307,7 +307,7 @@ fn record_steps<'a>(messages: impl IntoIterator<Item = &'a OutboxMessage>, step:
             .ok()
             .and_then(|v| v["seq"].as_u64());
         if let Some(seq) = seq {
-            steps.push((seq, step, at));
+            steps.extend(at.iter().map(|&(step, t)| (seq, step, t)));
         }
     }
 }
@@ -715,13 +715,7 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
             .start()?;
         // The listener is up once its connection is idle in LISTEN.
         for _ in 0..500 {
-            let listening: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-                 AND query LIKE 'LISTEN%'",
-            )
-            .fetch_one(&pg.pool)
-            .await?;
-            if listening > 0 {
+            if pg.listening_connections().await? > 0 {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -938,8 +932,10 @@ impl<R: OutboxRepository> OutboxRepository for Timed<R> {
         let claim = self.inner.claim_due(limit, lease, cutoff).await;
         Stages::add(&self.stages.claim_ns, start);
         if let Ok(claim) = &claim {
-            record_steps(&claim.messages, Step::ClaimStarted, started);
-            record_steps(&claim.messages, Step::Claimed, now_ns());
+            record_steps(
+                &claim.messages,
+                &[(Step::ClaimStarted, started), (Step::Claimed, now_ns())],
+            );
         }
         self.stages.batches.fetch_add(1, Ordering::Relaxed);
         claim
@@ -1003,7 +999,7 @@ impl<P: Publisher> Publisher for Timed<P> {
         messages: &[OutboxMessage],
     ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
         let start = Instant::now();
-        record_steps(messages, Step::PublishStarted, now_ns());
+        record_steps(messages, &[(Step::PublishStarted, now_ns())]);
         let out = self.inner.publish_batch(messages).await;
         Stages::add(&self.stages.publish_ns, start);
         out
