@@ -246,6 +246,61 @@ async fn sqlite_retries_end_in_dead_and_poison_does_not_block() {
     .await;
 }
 
+// ---- marks: text Postgres refuses, oversized text ----
+
+/// `(id, state, last_error, outcome, leased)`.
+type MarkedRow = (
+    String,
+    String,
+    Option<String>,
+    Option<serde_json::Value>,
+    bool,
+);
+
+/// A NUL in an error message or an outcome (Postgres `text` and `jsonb` refuse it) and a
+/// 100 KB error message are stored sanitized and bounded; the rest of the batch is marked.
+#[tokio::test]
+async fn postgres_marks_store_nul_and_huge_errors_sanitized() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let ids = load(&db.pool, 10).await;
+    let publisher = RecordingPublisher::new();
+    publisher.fail_always(&ids[0], "broker said \0 here");
+    publisher.fail_always(&ids[1], &"x".repeat(100_000));
+    publisher.outcome(&ids[2], json!({ "note": "nul \0 inside", "k\0ey": 1 }));
+    let repo = PgOutboxRepository::new(db.pool.clone());
+    let options =
+        DispatchOptions::new().retry_policy(RetryPolicy::fixed(Duration::from_secs(3600)));
+    let report = dispatch_outbox(&repo, &publisher, options).await.unwrap();
+    assert_eq!((report.dispatched, report.failed, report.dead), (8, 2, 0));
+    let rows: Vec<MarkedRow> = sqlx::query_as(
+        "SELECT id, state, last_error, outcome, claim_token IS NOT NULL FROM trellis_outbox ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let row = |id: &str| rows.iter().find(|r| r.0 == id).unwrap().clone();
+    let nul = row(&ids[0]);
+    assert_eq!((nul.1.as_str(), nul.4), ("failed", false));
+    assert_eq!(nul.2.as_deref(), Some("broker said \u{fffd} here"));
+    let huge = row(&ids[1]);
+    assert_eq!(huge.1, "failed");
+    let text = huge.2.unwrap();
+    assert!(
+        text.len() < 9_000 && text.ends_with("more bytes)"),
+        "{} bytes",
+        text.len()
+    );
+    let outcome = row(&ids[2]);
+    assert_eq!(outcome.1, "dispatched");
+    assert_eq!(
+        outcome.3,
+        Some(json!({ "note": "nul \u{fffd} inside", "k\u{fffd}ey": 1 }))
+    );
+    assert_eq!(pg_states(&db.pool).await.get("dispatched"), Some(&8));
+    db.close().await;
+}
+
 // ---- crash: a dispatcher process killed mid-batch ----
 
 const CHILD_ENV: &str = "TRELLIS_OUTBOX_CRASH_CHILD_DB";

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use serde_json::json;
 use trellis_outbox::{
-    Dispatched, OutboxRepository, OutboxTransactionExt, PgOutboxRepository, PreparedOutboxRecord,
-    SqliteOutboxRepository, migrate,
+    Dispatched, Failure, OutboxRepository, OutboxTransactionExt, PgOutboxRepository,
+    PreparedOutboxRecord, SqliteOutboxRepository, migrate,
 };
 use trellis_outbox_tests::{TestPg, TestSqlite};
 
@@ -346,6 +346,62 @@ async fn release_makes_rows_claimable_at_once(db: &impl Db) {
     assert_eq!(got, ids);
 }
 
+/// `extend_lease` keeps a claim's rows from being claimed after the original lease, and is
+/// fenced by the claim token; `mark_failures` marks a mixed list in one call, fenced too.
+async fn leases_extend_and_failures_mark_in_one_call(db: &impl Db) {
+    db.enqueue(&records(3)).await;
+    let repo = db.repo();
+    assert!(repo.extends_leases());
+    let short = Duration::from_millis(300);
+    let claim = repo.claim_due(10, short, None).await.unwrap();
+    assert_eq!(claim.len(), 3);
+    let ids: Vec<&str> = claim.messages.iter().map(|m| m.id.as_str()).collect();
+    assert_eq!(repo.extend_lease(&claim, &ids, LEASE).await.unwrap(), 3);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let other = repo.claim_due(10, LEASE, None).await.unwrap();
+    assert!(
+        other.is_empty(),
+        "rows of an extended lease were claimed again"
+    );
+    // A stale token extends nothing.
+    let stale = trellis_outbox::Claim::empty("stale".into(), claim.cutoff);
+    assert_eq!(repo.extend_lease(&stale, &ids, LEASE).await.unwrap(), 0);
+
+    let failures = [
+        Failure::retry(ids[0], "timed out", Duration::from_secs(60)),
+        Failure::dead(ids[1], "too large", true),
+        Failure::dead(ids[2], "undecodable", false),
+    ];
+    assert!(
+        repo.mark_failures(&stale, &failures)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let mut marked = repo.mark_failures(&claim, &failures).await.unwrap();
+    marked.sort();
+    let mut expected: Vec<String> = ids.iter().map(|id| (*id).to_owned()).collect();
+    expected.sort();
+    assert_eq!(marked, expected);
+    let (state, attempts, error, _) = db.row(ids[0]).await;
+    assert_eq!(
+        (state.as_str(), attempts, error.as_deref()),
+        ("failed", 1, Some("timed out"))
+    );
+    let (state, attempts, error, _) = db.row(ids[1]).await;
+    assert_eq!(
+        (state.as_str(), attempts, error.as_deref()),
+        ("dead", 1, Some("too large"))
+    );
+    let (state, attempts, error, _) = db.row(ids[2]).await;
+    assert_eq!(
+        (state.as_str(), attempts, error.as_deref()),
+        ("dead", 0, Some("undecodable"))
+    );
+    // The failed row is due in a minute, not now; the dead ones never.
+    assert!(repo.claim_due(10, LEASE, None).await.unwrap().is_empty());
+}
+
 async fn pg() -> TestPg {
     let db = TestPg::new().await;
     migrate(&db.pool).await.unwrap();
@@ -383,6 +439,7 @@ both!(failed_rows_wait_for_their_retry_time);
 both!(a_drain_wave_does_not_retry_its_own_failures);
 both!(poison_rows_are_reported_not_fatal, "[1, 2]", "not json");
 both!(release_makes_rows_claimable_at_once);
+both!(leases_extend_and_failures_mark_in_one_call);
 
 /// A claim on SQLite returns most columns packed into one JSON value: every column must come
 /// back exactly, whatever characters it holds.

@@ -1,6 +1,7 @@
 //! Draining the outbox: the one-shot [`dispatch_outbox`] and the [`OutboxDispatcher`] task.
 
 use std::any::Any;
+use std::collections::HashSet;
 use std::fmt;
 use std::future::Future;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -17,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::dispatch::publisher::{PublishError, Publisher};
-use crate::dispatch::repository::{Claim, Dispatched, OutboxRepository};
+use crate::dispatch::repository::{Claim, Dispatched, Failure, OutboxRepository};
 use crate::dispatch::retry::{MIN_RETRY_DELAY, RetryPolicy};
 use crate::error::{Error, Result};
 use crate::record::OutboxMessage;
@@ -92,6 +93,28 @@ pub enum DispatchError {
         error: PublishError,
     },
 
+    /// Several rows of one batch failed to publish: one report per batch (an outage would
+    /// otherwise report every row of every batch). `first` is the first row's
+    /// [`DispatchError::Publish`].
+    #[error(
+        "publishing {rows} outbox messages of one batch failed ({retrying} to retry, {dead} moved to dead; ids {}{})",
+        ids.join(", "),
+        if (ids.len() as u64) < *rows { ", …" } else { "" }
+    )]
+    PublishBatch {
+        /// How many rows failed.
+        rows: u64,
+        /// How many of them are `failed`, to be retried.
+        retrying: u64,
+        /// How many of them were moved to `dead`.
+        dead: u64,
+        /// The ids of the first failed rows (at most 10).
+        ids: Vec<String>,
+        /// The first row's failure.
+        #[source]
+        first: Box<DispatchError>,
+    },
+
     /// A claimed row could not be decoded and was moved to `dead`.
     #[error("outbox message {id:?} could not be decoded and was moved to dead: {reason}")]
     Poisoned {
@@ -101,11 +124,12 @@ pub enum DispatchError {
         reason: String,
     },
 
-    /// Rows could not be marked because their lease had passed to another claim (the lease
-    /// is probably shorter than a publish takes); they may be published again.
+    /// Rows could not be marked, or their publish was stopped, because their lease passed to
+    /// another claim or could not be extended before it ended; they may be published again
+    /// (and are de-duplicated by `Nats-Msg-Id` within the stream's duplicate window).
     #[error(
         "lost the lease on {rows} outbox row(s) before marking them; \
-         they may be published again (is the lease shorter than a publish?)"
+         they may be published again"
     )]
     LeaseLost {
         /// How many rows could not be marked.
@@ -153,6 +177,11 @@ impl DispatchError {
     }
 }
 
+/// The largest [`DispatchOptions::batch_size`].
+const MAX_BATCH_SIZE: usize = 100_000;
+/// The longest [`DispatchOptions::lease`].
+const MAX_LEASE: Duration = Duration::from_secs(24 * 3600);
+
 /// Options of one drain: batch size, lease and retry policy. Used by [`dispatch_outbox`]
 /// and, through [`DispatcherBuilder`], by [`OutboxDispatcher`].
 ///
@@ -193,16 +222,22 @@ impl DispatchOptions {
         Self::default()
     }
 
-    /// How many rows each claim takes (default 100). Must be at least 1.
+    /// How many rows each claim takes (default 100). Must be between 1 and 100,000.
     pub fn batch_size(mut self, rows: usize) -> Self {
         self.batch_size = rows;
         self
     }
 
-    /// How long claimed rows stay reserved for this dispatcher (default 30 s). Must be at
-    /// least 1 ms; make it comfortably longer than publishing a batch takes, or rows whose
-    /// lease expired may be published twice (JetStream de-duplicates them by `Nats-Msg-Id`
-    /// within its duplicate window).
+    /// How long claimed rows stay reserved for this dispatcher (default 30 s). Must be
+    /// between 1 ms and 24 h, and longer than the publisher's
+    /// [`publish_budget`](Publisher::publish_budget) for a full batch.
+    ///
+    /// The dispatcher keeps the lease while it publishes: a batch that has less than its
+    /// budget (or a third of the lease) left when its publish starts is extended first, and
+    /// a running publish extends it whenever two thirds have passed. If the lease cannot be
+    /// kept — another claim took a row, or the repository cannot extend it before it ends —
+    /// the publish is stopped and the batch released, so two dispatchers never publish a
+    /// row at the same time. A crashed dispatcher's rows wait for their lease to end.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self
@@ -215,17 +250,41 @@ impl DispatchOptions {
         self
     }
 
-    fn validate(&self) -> Result<(), DispatchError> {
+    /// Checks the options on their own and against `publisher`'s
+    /// [`publish_budget`](Publisher::publish_budget).
+    fn validate(&self, publisher: &impl Publisher) -> Result<(), DispatchError> {
         if self.batch_size == 0 {
             return Err(DispatchError::InvalidOption {
                 option: "batch_size",
                 problem: "must be at least 1",
             });
         }
+        if self.batch_size > MAX_BATCH_SIZE {
+            return Err(DispatchError::InvalidOption {
+                option: "batch_size",
+                problem: "must be at most 100,000 rows (a claim holds its whole batch in memory)",
+            });
+        }
         if self.lease < Duration::from_millis(1) {
             return Err(DispatchError::InvalidOption {
                 option: "lease",
                 problem: "must be at least 1 ms",
+            });
+        }
+        if self.lease > MAX_LEASE {
+            return Err(DispatchError::InvalidOption {
+                option: "lease",
+                problem: "must be at most 24 hours (a crashed dispatcher's rows wait that long)",
+            });
+        }
+        if publisher
+            .publish_budget(self.batch_size)
+            .is_some_and(|budget| budget >= self.lease)
+        {
+            return Err(DispatchError::InvalidOption {
+                option: "lease",
+                problem: "must be longer than the publisher's publish budget for a full batch \
+                          (its timeouts added up); raise the lease or lower the batch size",
             });
         }
         Ok(())
@@ -298,7 +357,7 @@ pub async fn dispatch_outbox<R: OutboxRepository, P: Publisher>(
     publisher: &P,
     options: DispatchOptions,
 ) -> Result<DispatchReport, DispatchError> {
-    options.validate()?;
+    options.validate(publisher)?;
     let engine = Engine {
         repo: repository,
         publisher,
@@ -333,10 +392,27 @@ impl Wave {
     }
 }
 
+/// A claim and when its lease ends on this process's (tokio) clock.
+///
+/// The deadline is counted from just **before** the claim was sent, so it is never later
+/// than the lease the repository recorded (the repository's clock started counting after).
+struct Leased {
+    claim: Claim,
+    deadline: Instant,
+}
+
+impl Leased {
+    fn ids(&self) -> Vec<&str> {
+        self.claim.messages.iter().map(|m| m.id.as_str()).collect()
+    }
+}
+
 /// A claimed batch after publishing, waiting to be marked.
 struct Published {
     claim: Claim,
-    results: Vec<Result<Option<serde_json::Value>, PublishError>>,
+    /// One result per message; `None` when the batch was not published (or not to the end)
+    /// because its lease could not be kept: nothing of it is marked.
+    results: Option<Vec<Result<Option<serde_json::Value>, PublishError>>>,
     span: tracing::Span,
 }
 
@@ -347,6 +423,17 @@ struct Marked {
     /// When the earliest row this batch marked failed is due again (tokio clock).
     retry_at: Option<Instant>,
 }
+
+/// Why the lease keeper stopped a publish.
+enum LeaseTrouble {
+    /// Rows of the claim are held by another claim now: the lease was lost.
+    Lost,
+    /// The lease could not be extended and is about to end.
+    Expiring,
+}
+
+/// How many ids a [`DispatchError::PublishBatch`] report lists.
+const REPORTED_IDS: usize = 10;
 
 /// The drain logic shared by [`dispatch_outbox`] and the dispatcher task.
 struct Engine<'a, R, P> {
@@ -376,34 +463,30 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             return Ok(());
         }
         let first = self.claim(wave.cutoff).await?;
-        wave.cutoff = Some(first.cutoff);
+        wave.cutoff = Some(first.claim.cutoff);
         let overlap = self.repo.overlaps_batches();
-        let mut current = Some(first).filter(|claim| !claim.is_empty());
+        let mut current = Some(first).filter(|leased| !leased.claim.is_empty());
         // The batch published last, waiting to be marked (overlapping only).
         let mut unmarked: Option<Published> = None;
-        while let Some(claim) = current.take() {
+        while let Some(leased) = current.take() {
             if self.cancelled() {
                 if let Some(published) = unmarked.take() {
-                    self.mark_into(wave, published).await?;
+                    self.mark_into(wave, published).await;
                 }
-                return self.release(&claim).await;
+                self.release(&leased.claim).await;
+                return Ok(());
             }
-            wave.claimed += claim.len() as u64;
-            let span =
-                tracing::debug_span!("outbox_batch", rows = claim.len(), token = %claim.token);
+            wave.claimed += leased.claim.len() as u64;
+            let span = tracing::debug_span!(
+                "outbox_batch",
+                rows = leased.claim.len(),
+                token = %leased.claim.token
+            );
             if !overlap {
-                let results = self.publish(&claim.messages).instrument(span.clone()).await;
-                self.mark_into(
-                    wave,
-                    Published {
-                        claim,
-                        results,
-                        span,
-                    },
-                )
-                .await?;
+                let published = self.publish(leased, span).await;
+                self.mark_into(wave, published).await;
                 if !self.cancelled() {
-                    current = Some(self.claim(wave.cutoff).await?).filter(|c| !c.is_empty());
+                    current = Some(self.claim(wave.cutoff).await?).filter(|l| !l.claim.is_empty());
                 }
                 continue;
             }
@@ -422,87 +505,196 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                     None => None,
                 }
             };
-            let (results, next, marked) = tokio::join!(
-                self.publish(&claim.messages).instrument(span.clone()),
-                claim_next,
-                mark_previous,
-            );
-            let published = Published {
-                claim,
-                results,
-                span,
-            };
-            let next = match next {
-                Some(Ok(next)) => Some(next).filter(|c| !c.is_empty()),
+            let (published, next, marked) =
+                tokio::join!(self.publish(leased, span), claim_next, mark_previous);
+            if let Some(marked) = marked {
+                wave.absorb(marked);
+            }
+            match next {
+                Some(Ok(next)) => {
+                    unmarked = Some(published);
+                    current = Some(next).filter(|l| !l.claim.is_empty());
+                }
                 Some(Err(error)) => {
                     // Mark what was published before giving up on this wave.
-                    if let Some(Ok(marked)) = marked {
-                        wave.absorb(marked);
-                    }
-                    self.mark_into(wave, published).await?;
+                    self.mark_into(wave, published).await;
                     return Err(error);
                 }
-                None => None,
-            };
-            match marked {
-                Some(Ok(marked)) => wave.absorb(marked),
-                Some(Err(error)) => {
-                    // The store failed; try to settle what is in hand, then report.
-                    if let Ok(marked) = self.mark(published).await {
-                        wave.absorb(marked);
-                    }
-                    if let Some(next) = next {
-                        let _ = self.release(&next).await;
-                    }
-                    return Err(error);
-                }
-                None => {}
+                None => unmarked = Some(published),
             }
-            unmarked = Some(published);
-            current = next;
         }
         if let Some(published) = unmarked {
-            self.mark_into(wave, published).await?;
+            self.mark_into(wave, published).await;
         }
         Ok(())
     }
 
     /// Claims one batch.
-    async fn claim(&self, cutoff: Option<DateTime<Utc>>) -> Result<Claim, DispatchError> {
-        self.repo
+    async fn claim(&self, cutoff: Option<DateTime<Utc>>) -> Result<Leased, DispatchError> {
+        let started = Instant::now();
+        let claim = self
+            .repo
             .claim_due(self.options.batch_size, self.options.lease, cutoff)
             .await
-            .map_err(DispatchError::repository("claim due rows"))
+            .map_err(DispatchError::repository("claim due rows"))?;
+        Ok(Leased {
+            claim,
+            deadline: deadline(started, self.options.lease),
+        })
     }
 
-    /// Releases the leases of a claim that will not be attempted (shutdown).
-    async fn release(&self, claim: &Claim) -> Result<(), DispatchError> {
+    /// Releases the leases of a claim that will not be attempted (shutdown, or a lease that
+    /// could not be kept), reporting a failure.
+    async fn release(&self, claim: &Claim) {
         let ids: Vec<&str> = claim
             .messages
             .iter()
             .map(|m| m.id.as_str())
             .chain(claim.poisoned.iter().map(|p| p.id.as_str()))
             .collect();
-        let released = self
+        match self.repo.release(claim, &ids).await {
+            Ok(released) => tracing::debug!(released, "released rows not attempted"),
+            // The rows stay leased until their lease ends, then are claimed again.
+            Err(source) => self.emit(DispatchError::Repository {
+                operation: "release unattempted rows",
+                source,
+            }),
+        }
+    }
+
+    /// Extends the lease of `leased` to a full lease from now; `Ok(true)` when every row of
+    /// it is still held.
+    async fn extend(&self, leased: &mut Leased, ids: &[&str]) -> Result<bool, Error> {
+        let started = Instant::now();
+        let extended = self
             .repo
-            .release(claim, &ids)
-            .await
-            .map_err(DispatchError::repository("release unattempted rows"))?;
-        tracing::debug!(released, "shutting down: released rows not attempted");
-        Ok(())
+            .extend_lease(&leased.claim, ids, self.options.lease)
+            .await?;
+        if extended == ids.len() as u64 {
+            leased.deadline = deadline(started, self.options.lease);
+            Ok(true)
+        } else {
+            Ok(false)
+        }
+    }
+
+    /// How much lease a publish must have left when it starts: the publisher's budget for
+    /// the batch, and at least a third of the lease.
+    fn lease_needed(&self, rows: usize) -> Duration {
+        let third = self.options.lease / 3;
+        self.publisher
+            .publish_budget(rows)
+            .map_or(third, |budget| budget.max(third))
+    }
+
+    /// Publishes a claimed batch while keeping its lease.
+    ///
+    /// A batch whose lease has less left than [`lease_needed`](Self::lease_needed) (it waited
+    /// behind the previous batch, or the broker is slow) has its lease extended first; while
+    /// the publisher runs, the lease is extended whenever two thirds of it have passed. If
+    /// the lease cannot be kept (another claim holds a row now, or the repository cannot
+    /// extend it before it ends), the publish is stopped and nothing of the batch is marked:
+    /// this dispatcher never publishes rows another holder may be publishing.
+    async fn publish(&self, mut leased: Leased, span: tracing::Span) -> Published {
+        if leased.claim.messages.is_empty() {
+            return Published {
+                results: Some(Vec::new()),
+                claim: leased.claim,
+                span,
+            };
+        }
+        let kept = async {
+            let ids_owned: Vec<String> = leased.ids().into_iter().map(str::to_owned).collect();
+            let ids: Vec<&str> = ids_owned.iter().map(String::as_str).collect();
+            let needed = self.lease_needed(ids.len());
+            let extends = self.repo.extends_leases();
+            if leased.deadline.saturating_duration_since(Instant::now()) < needed {
+                if !extends {
+                    return Err(LeaseTrouble::Expiring);
+                }
+                match self.extend(&mut leased, &ids).await {
+                    Ok(true) => {}
+                    Ok(false) => return Err(LeaseTrouble::Lost),
+                    Err(source) => {
+                        self.emit(DispatchError::Repository {
+                            operation: "extend a lease",
+                            source,
+                        });
+                        return Err(LeaseTrouble::Expiring);
+                    }
+                }
+            }
+            let claim = &leased.claim;
+            let mut deadline_at = leased.deadline;
+            let lease = self.options.lease;
+            let keeper = async {
+                if !extends {
+                    // Stop before the lease ends rather than publish past it.
+                    sleep_until(deadline_at.checked_sub(lease / 10).unwrap_or(deadline_at)).await;
+                    return LeaseTrouble::Expiring;
+                }
+                loop {
+                    sleep_until(deadline_at.checked_sub(lease / 3).unwrap_or(deadline_at)).await;
+                    let started = Instant::now();
+                    match self.repo.extend_lease(claim, &ids, lease).await {
+                        Ok(n) if n == ids.len() as u64 => deadline_at = deadline(started, lease),
+                        Ok(_) => return LeaseTrouble::Lost,
+                        Err(source) => {
+                            self.emit(DispatchError::Repository {
+                                operation: "extend a lease",
+                                source,
+                            });
+                            let left = deadline_at.saturating_duration_since(Instant::now());
+                            let pause = (lease / 10).max(Duration::from_millis(10));
+                            if left <= pause {
+                                return LeaseTrouble::Expiring;
+                            }
+                            tokio::time::sleep(pause).await;
+                        }
+                    }
+                }
+            };
+            tokio::select! {
+                biased;
+                results = self.call_publisher(&claim.messages) => Ok(results),
+                trouble = keeper => Err(trouble),
+            }
+        }
+        .instrument(span.clone())
+        .await;
+        let results = match kept {
+            Ok(results) => Some(results),
+            Err(trouble) => {
+                let rows = leased.claim.messages.len() as u64;
+                self.emit(DispatchError::LeaseLost { rows });
+                if matches!(trouble, LeaseTrouble::Lost) {
+                    tracing::warn!(
+                        rows,
+                        "lost the lease of a batch while publishing it; stopped"
+                    );
+                }
+                // Rows this claim still holds become claimable at once.
+                self.release(&leased.claim).await;
+                None
+            }
+        };
+        Published {
+            claim: leased.claim,
+            results,
+            span,
+        }
     }
 
     /// Marks a published batch and adds the outcome to the wave.
-    async fn mark_into(&self, wave: &mut Wave, published: Published) -> Result<(), DispatchError> {
-        let marked = self.mark(published).await?;
-        wave.absorb(marked);
-        Ok(())
+    async fn mark_into(&self, wave: &mut Wave, published: Published) {
+        wave.absorb(self.mark(published).await);
     }
 
-    /// Records the outcome of a published batch: undecodable rows to dead, published rows
-    /// dispatched, failed rows failed (or dead when the error is permanent or retries are
-    /// exhausted).
-    async fn mark(&self, published: Published) -> Result<Marked, DispatchError> {
+    /// Records the outcome of a published batch: published rows `dispatched` first, then
+    /// undecodable and failed rows `dead` or `failed` in one call. Repository errors are
+    /// reported (a batch statement that fails for a reason other than the connection is
+    /// retried row by row); rows left unmarked stay leased until their lease ends.
+    async fn mark(&self, published: Published) -> Marked {
         let Published {
             claim,
             results,
@@ -510,82 +702,82 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
         } = published;
         async {
             let mut marked = Marked::default();
-            let report = &mut marked.report;
+            // Not published (the lease could not be kept): the claim was released.
+            let Some(results) = results else {
+                return marked;
+            };
             let mut lost = 0u64;
-            for poison in &claim.poisoned {
-                let done = self
-                    .repo
-                    .mark_dead(&claim, &poison.id, &poison.reason, false)
-                    .await
-                    .map_err(DispatchError::repository("move an undecodable row to dead"))?;
-                if done {
-                    report.dead += 1;
-                    self.emit(DispatchError::Poisoned {
-                        id: poison.id.clone(),
-                        reason: poison.reason.clone(),
-                    });
-                } else {
-                    lost += 1;
-                }
-            }
             let mut dispatched = Vec::new();
-            let mut failures = Vec::new();
+            let mut failures: Vec<(&OutboxMessage, PublishError)> = Vec::new();
             for (message, result) in claim.messages.iter().zip(results) {
                 match result {
                     Ok(outcome) => dispatched.push(Dispatched {
                         id: message.id.clone(),
-                        outcome,
+                        outcome: outcome.map(sanitize_outcome),
                     }),
                     Err(error) => failures.push((message, error)),
                 }
             }
             if !dispatched.is_empty() {
-                let done = self
-                    .repo
-                    .mark_dispatched(&claim, &dispatched)
-                    .await
-                    .map_err(DispatchError::repository("mark rows dispatched"))?;
-                report.dispatched += done;
-                lost += (dispatched.len() as u64).saturating_sub(done);
+                let (done, dead) = self.mark_dispatched(&claim, &dispatched).await;
+                marked.report.dispatched += done;
+                marked.report.dead += dead;
+                lost += (dispatched.len() as u64).saturating_sub(done + dead);
             }
+
             let policy = &self.options.retry_policy;
-            for (message, error) in failures {
+            let mut rows: Vec<Failure> = Vec::new();
+            for poison in &claim.poisoned {
+                rows.push(Failure::dead(
+                    poison.id.clone(),
+                    sanitize_text(&poison.reason),
+                    false,
+                ));
+            }
+            let mut dispositions = Vec::with_capacity(failures.len());
+            for (message, error) in &failures {
                 let attempt = message.attempts.saturating_add(1);
-                let reason = error.chain();
-                let (done, disposition) = if !error.is_retryable() || policy.gives_up_after(attempt)
-                {
-                    let done = self
-                        .repo
-                        .mark_dead(&claim, &message.id, &reason, true)
-                        .await
-                        .map_err(DispatchError::repository("move a failed row to dead"))?;
-                    report.dead += u64::from(done);
-                    (done, Disposition::Dead)
+                let reason = sanitize_text(&error.chain());
+                if !error.is_retryable() || policy.gives_up_after(attempt) {
+                    rows.push(Failure::dead(message.id.clone(), reason, true));
+                    dispositions.push(Disposition::Dead);
                 } else {
                     let delay = policy.delay(attempt);
-                    let done = self
-                        .repo
-                        .mark_failed(&claim, &message.id, &reason, delay)
-                        .await
-                        .map_err(DispatchError::repository("mark a row failed"))?;
-                    if done {
-                        report.failed += 1;
+                    rows.push(Failure::retry(message.id.clone(), reason, delay));
+                    dispositions.push(Disposition::RetryAfter(delay));
+                }
+            }
+            let done: HashSet<String> = self.mark_failures(&claim, &rows).await;
+            lost += (rows.len() - done.len()) as u64;
+
+            for poison in claim.poisoned.iter().filter(|p| done.contains(&p.id)) {
+                marked.report.dead += 1;
+                self.emit(DispatchError::Poisoned {
+                    id: poison.id.clone(),
+                    reason: poison.reason.clone(),
+                });
+            }
+            let mut reported = Vec::new();
+            for ((message, error), disposition) in failures.into_iter().zip(dispositions) {
+                if !done.contains(&message.id) {
+                    continue;
+                }
+                match disposition {
+                    Disposition::Dead => marked.report.dead += 1,
+                    Disposition::RetryAfter(delay) => {
+                        marked.report.failed += 1;
                         let at = deadline(Instant::now(), delay);
                         marked.retry_at = Some(marked.retry_at.map_or(at, |t| t.min(at)));
                     }
-                    (done, Disposition::RetryAfter(delay))
-                };
-                if !done {
-                    lost += 1;
-                    continue;
                 }
-                self.emit(DispatchError::Publish {
+                reported.push(DispatchError::Publish {
                     id: message.id.clone(),
-                    attempt,
+                    attempt: message.attempts.saturating_add(1),
                     disposition,
                     error,
                 });
             }
+            self.report_failures(reported);
             if lost > 0 {
                 self.emit(DispatchError::LeaseLost { rows: lost });
             }
@@ -595,15 +787,165 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 dead = marked.report.dead,
                 "outbox batch done"
             );
-            Ok(marked)
+            marked
         }
         .instrument(span)
         .await
     }
 
+    /// Reports the publish failures of one batch: a single failure as itself, several as
+    /// one [`DispatchError::PublishBatch`], so an outage makes one report per batch.
+    fn report_failures(&self, mut reported: Vec<DispatchError>) {
+        if reported.len() <= 1 {
+            if let Some(error) = reported.pop() {
+                self.emit(error);
+            }
+            return;
+        }
+        let rows = reported.len() as u64;
+        let mut dead = 0;
+        let mut ids = Vec::new();
+        for report in &reported {
+            if let DispatchError::Publish {
+                id, disposition, ..
+            } = report
+            {
+                if *disposition == Disposition::Dead {
+                    dead += 1;
+                }
+                if ids.len() < REPORTED_IDS {
+                    ids.push(id.clone());
+                }
+            }
+        }
+        if let Some(DispatchError::Publish {
+            id,
+            attempt,
+            disposition,
+            error,
+        }) = reported.into_iter().next()
+        {
+            self.emit(DispatchError::PublishBatch {
+                rows,
+                retrying: rows - dead,
+                dead,
+                ids,
+                first: Box::new(DispatchError::Publish {
+                    id,
+                    attempt,
+                    disposition,
+                    error,
+                }),
+            });
+        }
+    }
+
+    /// Marks `rows` dispatched; returns how many were marked. A failed batch statement is
+    /// tried once more when the failure is transient, or row by row otherwise; a row that
+    /// still cannot be marked `dispatched` is moved to `dead` (it was published: retrying it
+    /// by itself would publish it again and again). Failures are reported.
+    ///
+    /// Returns how many rows were marked `dispatched` and how many `dead`.
+    async fn mark_dispatched(&self, claim: &Claim, rows: &[Dispatched]) -> (u64, u64) {
+        let error = match self.repo.mark_dispatched(claim, rows).await {
+            Ok(done) => return (done, 0),
+            Err(error) => error,
+        };
+        if error.is_retryable() {
+            match self.repo.mark_dispatched(claim, rows).await {
+                Ok(done) => return (done, 0),
+                Err(source) => {
+                    self.emit(DispatchError::Repository {
+                        operation: "mark rows dispatched",
+                        source,
+                    });
+                    return (0, 0);
+                }
+            }
+        }
+        self.emit(DispatchError::Repository {
+            operation: "mark rows dispatched (retrying row by row)",
+            source: error,
+        });
+        let (mut done, mut dead) = (0, 0);
+        for row in rows {
+            match self
+                .repo
+                .mark_dispatched(claim, std::slice::from_ref(row))
+                .await
+            {
+                Ok(n) => done += n,
+                Err(source) => {
+                    let reason = sanitize_text(&format!(
+                        "published, but it could not be marked dispatched: {}",
+                        ErrorChain(&source)
+                    ));
+                    let failure = Failure::dead(row.id.clone(), reason, false);
+                    match self.repo.mark_failures(claim, &[failure]).await {
+                        Ok(ids) => dead += ids.len() as u64,
+                        Err(source) => self.emit(DispatchError::Repository {
+                            operation: "mark a published row",
+                            source,
+                        }),
+                    }
+                }
+            }
+        }
+        (done, dead)
+    }
+
+    /// Marks failed and undecodable rows in one call; returns the ids marked. A failed call
+    /// is tried once more when the failure is transient, or row by row otherwise.
+    async fn mark_failures(&self, claim: &Claim, rows: &[Failure]) -> HashSet<String> {
+        if rows.is_empty() {
+            return HashSet::new();
+        }
+        let error = match self.repo.mark_failures(claim, rows).await {
+            Ok(done) => return done.into_iter().collect(),
+            Err(error) => error,
+        };
+        if error.is_retryable() {
+            match self.repo.mark_failures(claim, rows).await {
+                Ok(done) => return done.into_iter().collect(),
+                Err(source) => {
+                    self.emit(DispatchError::Repository {
+                        operation: "mark failed rows",
+                        source,
+                    });
+                    return HashSet::new();
+                }
+            }
+        }
+        self.emit(DispatchError::Repository {
+            operation: "mark failed rows (retrying row by row)",
+            source: error,
+        });
+        let mut done = HashSet::new();
+        let mut first_error = None;
+        for row in rows {
+            match self
+                .repo
+                .mark_failures(claim, std::slice::from_ref(row))
+                .await
+            {
+                Ok(ids) => done.extend(ids),
+                Err(source) => {
+                    first_error.get_or_insert(source);
+                }
+            }
+        }
+        if let Some(source) = first_error {
+            self.emit(DispatchError::Repository {
+                operation: "mark a failed row",
+                source,
+            });
+        }
+        done
+    }
+
     /// Calls the publisher, turning a panic or a wrong number of results into per-message
     /// retryable errors.
-    async fn publish(
+    async fn call_publisher(
         &self,
         messages: &[OutboxMessage],
     ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
@@ -639,6 +981,56 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             }
         }
         results
+    }
+}
+
+/// The longest `last_error` stored, in bytes.
+const MAX_ERROR_BYTES: usize = 8 * 1024;
+/// The longest outcome stored, in bytes of JSON text.
+const MAX_OUTCOME_BYTES: usize = 64 * 1024;
+
+/// Text fit to store: NUL characters (which Postgres `text` and `jsonb` refuse) replaced
+/// with U+FFFD, and at most [`MAX_ERROR_BYTES`] long (cut at a character boundary).
+fn sanitize_text(text: &str) -> String {
+    let mut clean = text.replace('\0', "\u{fffd}");
+    if clean.len() > MAX_ERROR_BYTES {
+        let mut cut = MAX_ERROR_BYTES;
+        while !clean.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let dropped = clean.len() - cut;
+        clean.truncate(cut);
+        clean.push_str(&format!("… ({dropped} more bytes)"));
+    }
+    clean
+}
+
+/// An outcome fit to store: NUL characters in strings and keys replaced with U+FFFD; one
+/// whose JSON text is longer than [`MAX_OUTCOME_BYTES`] replaced by a note saying so.
+fn sanitize_outcome(outcome: serde_json::Value) -> serde_json::Value {
+    fn clean(value: serde_json::Value) -> serde_json::Value {
+        use serde_json::Value;
+        match value {
+            Value::String(s) if s.contains('\0') => Value::String(s.replace('\0', "\u{fffd}")),
+            Value::Array(items) => Value::Array(items.into_iter().map(clean).collect()),
+            Value::Object(map) => Value::Object(
+                map.into_iter()
+                    .map(|(k, v)| (k.replace('\0', "\u{fffd}"), clean(v)))
+                    .collect(),
+            ),
+            other => other,
+        }
+    }
+    let outcome = clean(outcome);
+    let bytes = outcome.to_string().len();
+    if bytes > MAX_OUTCOME_BYTES {
+        serde_json::json!({
+            "truncated": true,
+            "bytes": bytes,
+            "note": "the outcome was too large to store",
+        })
+    } else {
+        outcome
     }
 }
 
@@ -766,12 +1158,33 @@ impl<R: OutboxRepository> OutboxRepository for Arc<R> {
         (**self).release(claim, ids)
     }
 
+    fn mark_failures(
+        &self,
+        claim: &Claim,
+        failures: &[Failure],
+    ) -> impl Future<Output = Result<Vec<String>>> + Send {
+        (**self).mark_failures(claim, failures)
+    }
+
+    fn extend_lease(
+        &self,
+        claim: &Claim,
+        ids: &[&str],
+        lease: Duration,
+    ) -> impl Future<Output = Result<u64>> + Send {
+        (**self).extend_lease(claim, ids, lease)
+    }
+
     fn retry(&self, id: &str) -> impl Future<Output = Result<bool>> + Send {
         (**self).retry(id)
     }
 
     fn next_due_in(&self) -> impl Future<Output = Result<Option<Duration>>> + Send {
         (**self).next_due_in()
+    }
+
+    fn extends_leases(&self) -> bool {
+        (**self).extends_leases()
     }
 
     fn overlaps_batches(&self) -> bool {
@@ -789,6 +1202,10 @@ impl<P: Publisher> Publisher for Arc<P> {
 
     fn on_start(&self, retry_policy: &RetryPolicy) -> impl Future<Output = ()> + Send {
         (**self).on_start(retry_policy)
+    }
+
+    fn publish_budget(&self, rows: usize) -> Option<Duration> {
+        (**self).publish_budget(rows)
     }
 }
 
@@ -916,7 +1333,7 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
     /// [`DispatchError::InvalidOption`] for an out-of-range option, or
     /// [`DispatchError::NoRuntime`] outside a tokio runtime.
     pub fn start(self) -> Result<OutboxDispatcher, DispatchError> {
-        self.options.validate()?;
+        self.options.validate(&self.publisher)?;
         if self.idle_interval < Duration::from_millis(1) {
             return Err(DispatchError::InvalidOption {
                 option: "idle_interval",
@@ -1410,23 +1827,55 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
 mod tests {
     use super::*;
 
+    /// A publisher whose publish budget is one second per row.
+    struct SlowPublisher;
+
+    impl Publisher for SlowPublisher {
+        async fn publish_batch(
+            &self,
+            messages: &[OutboxMessage],
+        ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
+            messages.iter().map(|_| Ok(None)).collect()
+        }
+
+        fn publish_budget(&self, rows: usize) -> Option<Duration> {
+            Some(Duration::from_secs(rows as u64))
+        }
+    }
+
     #[test]
     fn options_are_validated() {
-        assert!(matches!(
-            DispatchOptions::new().batch_size(0).validate(),
-            Err(DispatchError::InvalidOption {
-                option: "batch_size",
-                ..
-            })
-        ));
-        assert!(matches!(
-            DispatchOptions::new().lease(Duration::ZERO).validate(),
-            Err(DispatchError::InvalidOption {
-                option: "lease",
-                ..
-            })
-        ));
-        assert!(DispatchOptions::new().validate().is_ok());
+        let invalid = |options: DispatchOptions| match options.validate(&SlowPublisher) {
+            Err(DispatchError::InvalidOption { option, .. }) => option,
+            other => panic!("{other:?} is not an invalid option"),
+        };
+        assert_eq!(invalid(DispatchOptions::new().batch_size(0)), "batch_size");
+        assert_eq!(
+            invalid(DispatchOptions::new().batch_size(usize::MAX)),
+            "batch_size"
+        );
+        assert_eq!(
+            invalid(DispatchOptions::new().lease(Duration::ZERO)),
+            "lease"
+        );
+        assert_eq!(
+            invalid(DispatchOptions::new().lease(Duration::MAX)),
+            "lease"
+        );
+        // 100 rows at one second each do not fit a 30 s lease …
+        assert_eq!(invalid(DispatchOptions::new()), "lease");
+        // … 20 rows do.
+        assert!(
+            DispatchOptions::new()
+                .batch_size(20)
+                .validate(&SlowPublisher)
+                .is_ok()
+        );
+        let error = DispatchOptions::new()
+            .validate(&SlowPublisher)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("publish budget"), "{error}");
     }
 
     #[test]

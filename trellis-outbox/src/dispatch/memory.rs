@@ -322,6 +322,26 @@ impl OutboxRepository for MemoryOutboxRepository {
         }) == 1)
     }
 
+    fn extends_leases(&self) -> bool {
+        true
+    }
+
+    async fn extend_lease(&self, claim: &Claim, ids: &[&str], lease: Duration) -> Result<u64> {
+        let until = add(self.now(), lease);
+        let mut inner = self.lock();
+        let mut extended = 0;
+        for id in ids {
+            if let Some(&i) = inner.index.get(*id) {
+                let row = &mut inner.rows[i];
+                if row.held_by(&claim.token) {
+                    row.claimed_until = Some(until);
+                    extended += 1;
+                }
+            }
+        }
+        Ok(extended)
+    }
+
     async fn release(&self, claim: &Claim, ids: &[&str]) -> Result<u64> {
         let mut inner = self.lock();
         let mut released = 0;

@@ -20,7 +20,7 @@ pub use memory::MemoryOutboxRepository;
 #[cfg(feature = "postgres")]
 pub use postgres::PgOutboxRepository;
 pub use publisher::{BoxError, PublishError, Publisher};
-pub use repository::{Claim, Dispatched, OutboxRepository, PoisonRow};
+pub use repository::{Claim, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow};
 pub use retry::{MIN_RETRY_DELAY, RetryPolicy};
 #[cfg(feature = "sqlite")]
 pub use sqlite::SqliteOutboxRepository;

@@ -6,7 +6,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, PgPool, Row};
 
-use super::repository::{Claim, Dispatched, OutboxRepository};
+use super::repository::{Claim, Dispatched, Failure, FailureOutcome, OutboxRepository};
 use crate::error::{Error, Result};
 use crate::record::new_id;
 use crate::sql::COLUMNS;
@@ -56,6 +56,8 @@ struct Statements {
     mark_dispatched_with_outcomes: String,
     mark_failed: String,
     mark_dead: String,
+    mark_failures: String,
+    extend_lease: String,
     release: String,
     retry: String,
     next_due_in: String,
@@ -103,6 +105,22 @@ impl PgOutboxRepository {
                 "UPDATE {o} SET state = 'dead', attempts = attempts + $3, updated_at = now(), \
                  next_attempt_at = NULL, last_error = $4, claimed_until = NULL, claim_token = NULL \
                  WHERE id = $1 AND claim_token = $2"
+            ),
+            // $1 ids, $2 errors, $3 retry delays in seconds (NULL: dead), $4 attempts to add,
+            // $5 token.
+            mark_failures: format!(
+                "UPDATE {o} AS o SET \
+                 state = CASE WHEN f.delay IS NULL THEN 'dead' ELSE 'failed' END, \
+                 attempts = o.attempts + f.add, updated_at = now(), \
+                 next_attempt_at = now() + make_interval(secs => f.delay), last_error = f.error, \
+                 claimed_until = NULL, claim_token = NULL \
+                 FROM UNNEST($1::text[], $2::text[], $3::float8[], $4::int4[]) AS f(id, error, delay, add) \
+                 WHERE o.id = f.id AND o.claim_token = $5 \
+                 RETURNING o.id"
+            ),
+            extend_lease: format!(
+                "UPDATE {o} SET claimed_until = now() + make_interval(secs => $3) \
+                 WHERE id = ANY($1) AND claim_token = $2"
             ),
             release: format!(
                 "UPDATE {o} SET claimed_until = NULL, claim_token = NULL \
@@ -225,6 +243,53 @@ impl OutboxRepository for PgOutboxRepository {
             .await
             .map_err(Error::repository("mark dead"))?;
         Ok(result.rows_affected() == 1)
+    }
+
+    async fn mark_failures(&self, claim: &Claim, failures: &[Failure]) -> Result<Vec<String>> {
+        if failures.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut ids = Vec::with_capacity(failures.len());
+        let mut errors = Vec::with_capacity(failures.len());
+        let mut delays = Vec::with_capacity(failures.len());
+        let mut adds = Vec::with_capacity(failures.len());
+        for failure in failures {
+            ids.push(failure.id.as_str());
+            errors.push(failure.error.as_str());
+            let (delay, add) = match failure.outcome {
+                FailureOutcome::Retry { after } => (Some(secs(after)), 1),
+                FailureOutcome::Dead { count_attempt } => (None, i32::from(count_attempt)),
+            };
+            delays.push(delay);
+            adds.push(add);
+        }
+        sqlx::query_scalar(AssertSqlSafe(self.sql.mark_failures.as_str()))
+            .bind(ids)
+            .bind(errors)
+            .bind(delays)
+            .bind(adds)
+            .bind(&claim.token)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(Error::repository("mark failures"))
+    }
+
+    fn extends_leases(&self) -> bool {
+        true
+    }
+
+    async fn extend_lease(&self, claim: &Claim, ids: &[&str], lease: Duration) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let result = sqlx::query(AssertSqlSafe(self.sql.extend_lease.as_str()))
+            .bind(ids)
+            .bind(&claim.token)
+            .bind(secs(lease))
+            .execute(&self.pool)
+            .await
+            .map_err(Error::repository("extend lease"))?;
+        Ok(result.rows_affected())
     }
 
     async fn release(&self, claim: &Claim, ids: &[&str]) -> Result<u64> {

@@ -107,4 +107,14 @@ pub trait Publisher: Send + Sync + 'static {
         let _ = retry_policy;
         std::future::ready(())
     }
+
+    /// The longest [`publish_batch`](Self::publish_batch) of `rows` messages may take (its
+    /// timeouts added up), if the publisher bounds it. The dispatcher refuses a lease shorter
+    /// than the budget of a full batch, and extends a batch's lease before publishing it when
+    /// less than the budget is left. The default, `None`, means unknown: the dispatcher then
+    /// keeps at least a third of the lease in hand instead.
+    fn publish_budget(&self, rows: usize) -> Option<std::time::Duration> {
+        let _ = rows;
+        None
+    }
 }

@@ -110,6 +110,64 @@ impl Dispatched {
     }
 }
 
+/// What to do with one row of a claim whose attempt failed (or that could not be decoded):
+/// an entry of [`OutboxRepository::mark_failures`].
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Failure {
+    /// The row's id.
+    pub id: String,
+    /// Stored in `last_error`.
+    pub error: String,
+    /// Whether the row is retried later or moved to `dead`.
+    pub outcome: FailureOutcome,
+}
+
+/// Where a failed row goes: see [`Failure`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FailureOutcome {
+    /// `failed`, `attempts + 1`, due again this long from now (repository clock).
+    Retry {
+        /// The delay before the next attempt.
+        after: Duration,
+    },
+    /// `dead`; `count_attempt` adds one to `attempts` (the row was tried and failed, rather
+    /// than found undecodable).
+    Dead {
+        /// Whether the failure counts as an attempt.
+        count_attempt: bool,
+    },
+}
+
+impl Failure {
+    /// A row to retry after `after`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use trellis_outbox::{Failure, FailureOutcome};
+    ///
+    /// let failure = Failure::retry("01J…", "ack timed out", Duration::from_secs(2));
+    /// assert_eq!(failure.outcome, FailureOutcome::Retry { after: Duration::from_secs(2) });
+    /// ```
+    pub fn retry(id: impl Into<String>, error: impl Into<String>, after: Duration) -> Self {
+        Self {
+            id: id.into(),
+            error: error.into(),
+            outcome: FailureOutcome::Retry { after },
+        }
+    }
+
+    /// A row to move to `dead`.
+    pub fn dead(id: impl Into<String>, reason: impl Into<String>, count_attempt: bool) -> Self {
+        Self {
+            id: id.into(),
+            error: reason.into(),
+            outcome: FailureOutcome::Dead { count_attempt },
+        }
+    }
+}
+
 /// Where dispatchers claim due rows and record what happened to them.
 ///
 /// Implemented by [`PgOutboxRepository`](crate::PgOutboxRepository),
@@ -168,6 +226,54 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// them claimable at once. Returns how many were released.
     fn release(&self, claim: &Claim, ids: &[&str]) -> impl Future<Output = Result<u64>> + Send;
 
+    /// Marks several failed rows of `claim` at once (each `failed` or `dead` as its
+    /// [`FailureOutcome`] says) and returns the ids that were still held by the claim and so
+    /// were marked; rows whose lease was lost are left alone.
+    ///
+    /// The default calls [`mark_failed`](Self::mark_failed) and [`mark_dead`](Self::mark_dead)
+    /// row by row; the SQL repositories mark the whole list in one statement.
+    fn mark_failures(
+        &self,
+        claim: &Claim,
+        failures: &[Failure],
+    ) -> impl Future<Output = Result<Vec<String>>> + Send {
+        async move {
+            let mut marked = Vec::with_capacity(failures.len());
+            for failure in failures {
+                let done = match failure.outcome {
+                    FailureOutcome::Retry { after } => {
+                        self.mark_failed(claim, &failure.id, &failure.error, after)
+                            .await?
+                    }
+                    FailureOutcome::Dead { count_attempt } => {
+                        self.mark_dead(claim, &failure.id, &failure.error, count_attempt)
+                            .await?
+                    }
+                };
+                if done {
+                    marked.push(failure.id.clone());
+                }
+            }
+            Ok(marked)
+        }
+    }
+
+    /// Extends the lease on rows of `claim` to `lease` from now (repository clock), for a
+    /// publish that takes longer than expected. Fenced like the marks: only rows the claim
+    /// still holds are extended. Returns how many were.
+    ///
+    /// Only called when [`extends_leases`](Self::extends_leases) returns `true`; the default
+    /// extends nothing (returns 0).
+    fn extend_lease(
+        &self,
+        claim: &Claim,
+        ids: &[&str],
+        lease: Duration,
+    ) -> impl Future<Output = Result<u64>> + Send {
+        let _ = (claim, ids, lease);
+        std::future::ready(Ok(0))
+    }
+
     /// Moves a `dead` or `failed` row back to `pending`, due now, with `attempts` reset to 0
     /// and the lease cleared (an operator's retry). Returns `false` if no such row exists in
     /// those states.
@@ -177,6 +283,14 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// failed row or lease expiry of a leased row; `Some(Duration::ZERO)` if a row is due now,
     /// `None` if no undispatched row exists.
     fn next_due_in(&self) -> impl Future<Output = Result<Option<Duration>>> + Send;
+
+    /// Whether [`extend_lease`](Self::extend_lease) is implemented. When it is not (the
+    /// default, `false`), the dispatcher releases a batch that has too little lease left
+    /// instead of publishing it, and stops a publish that is about to outlive its lease, so
+    /// two holders never publish a row at once; keep leases well above a publish's duration.
+    fn extends_leases(&self) -> bool {
+        false
+    }
 
     /// Whether the dispatcher may overlap consecutive batches: claim the next batch and mark
     /// the previous one while the current one is being published. Return `true` when the

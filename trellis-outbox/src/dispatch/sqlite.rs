@@ -6,7 +6,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, Row, SqlitePool};
 
-use super::repository::{Claim, Dispatched, OutboxRepository, PoisonRow};
+use super::repository::{Claim, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow};
 use crate::error::{Error, Result};
 use crate::record::new_id;
 use crate::sql::COLUMNS;
@@ -51,6 +51,8 @@ struct Statements {
     mark_dispatched_with_outcomes: Arc<str>,
     mark_failed: Arc<str>,
     mark_dead: Arc<str>,
+    mark_failures: Arc<str>,
+    extend_lease: Arc<str>,
     release: Arc<str>,
     retry: Arc<str>,
     next_due_in: Arc<str>,
@@ -164,6 +166,26 @@ impl SqliteOutboxRepository {
                 "UPDATE {o} SET state = 'dead', attempts = attempts + ?3, updated_at = {NOW}, \
                  next_attempt_at = NULL, last_error = ?4, claimed_until = NULL, claim_token = NULL \
                  WHERE id = ?1 AND claim_token = ?2"
+            )
+            .into(),
+            // ?1 JSON array of [id, error, delay modifier or null (dead), attempts to add],
+            // ?2 token.
+            mark_failures: format!(
+                "UPDATE {o} SET \
+                 state = CASE WHEN f.value ->> '$[2]' IS NULL THEN 'dead' ELSE 'failed' END, \
+                 attempts = attempts + (f.value ->> '$[3]'), updated_at = {NOW}, \
+                 next_attempt_at = CASE WHEN f.value ->> '$[2]' IS NULL THEN NULL \
+                   ELSE strftime('%Y-%m-%dT%H:%M:%fZ', 'now', f.value ->> '$[2]') END, \
+                 last_error = f.value ->> '$[1]', claimed_until = NULL, claim_token = NULL \
+                 FROM json_each(?1) AS f \
+                 WHERE {o}.id = f.value ->> '$[0]' AND {o}.claim_token = ?2 \
+                 RETURNING {o}.id"
+            )
+            .into(),
+            // ?1 JSON array of ids, ?2 token, ?3 lease modifier.
+            extend_lease: format!(
+                "UPDATE {o} SET claimed_until = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?3) \
+                 WHERE claim_token = ?2 AND id IN (SELECT value FROM json_each(?1))"
             )
             .into(),
             release: format!(
@@ -347,6 +369,50 @@ impl OutboxRepository for SqliteOutboxRepository {
             .await
             .map_err(Error::repository("mark dead"))?;
         Ok(result.rows_affected() == 1)
+    }
+
+    async fn mark_failures(&self, claim: &Claim, failures: &[Failure]) -> Result<Vec<String>> {
+        if failures.is_empty() {
+            return Ok(Vec::new());
+        }
+        let entries: Vec<(&str, &str, Option<String>, i32)> = failures
+            .iter()
+            .map(|f| match f.outcome {
+                FailureOutcome::Retry { after } => {
+                    (f.id.as_str(), f.error.as_str(), Some(modifier(after)), 1)
+                }
+                FailureOutcome::Dead { count_attempt } => (
+                    f.id.as_str(),
+                    f.error.as_str(),
+                    None,
+                    i32::from(count_attempt),
+                ),
+            })
+            .collect();
+        sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.sql.mark_failures)))
+            .bind(json_array(&entries)?)
+            .bind(&claim.token)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(Error::repository("mark failures"))
+    }
+
+    fn extends_leases(&self) -> bool {
+        true
+    }
+
+    async fn extend_lease(&self, claim: &Claim, ids: &[&str], lease: Duration) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let result = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.extend_lease)))
+            .bind(json_array(&ids)?)
+            .bind(&claim.token)
+            .bind(modifier(lease))
+            .execute(&self.pool)
+            .await
+            .map_err(Error::repository("extend lease"))?;
+        Ok(result.rows_affected())
     }
 
     async fn release(&self, claim: &Claim, ids: &[&str]) -> Result<u64> {

@@ -1,0 +1,464 @@
+//! The dispatcher keeps its leases while it publishes, marks what it can when a mark fails,
+//! and reports every failure once, aggregated per batch (issue #10, defects 2, 3 and 10).
+//! Memory repository, paused tokio time.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio::time::{Instant, sleep};
+use trellis_outbox::{
+    Claim, DispatchError, DispatchOptions, Dispatched, Error, Failure, MemoryOutboxRepository,
+    OutboxDispatcher, OutboxMessageState, OutboxRepository, PreparedOutboxRecord, RetryPolicy,
+    dispatch_outbox,
+};
+use trellis_outbox_tests::publisher::RecordingPublisher;
+
+const LONG: Duration = Duration::from_secs(3600);
+const WAIT: Duration = Duration::from_secs(60);
+
+fn record(id: &str) -> PreparedOutboxRecord {
+    let mut record =
+        PreparedOutboxRecord::event("Thing.Changed", "events.v1.Thing.Changed", &1).unwrap();
+    record.id = id.to_owned();
+    record.headers.insert("Nats-Msg-Id".into(), id.into());
+    record
+}
+
+fn repo_with(ids: &[&str]) -> Arc<MemoryOutboxRepository> {
+    let repo = Arc::new(MemoryOutboxRepository::new());
+    for id in ids {
+        repo.enqueue(&record(id)).unwrap();
+    }
+    repo
+}
+
+async fn eventually(mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + WAIT;
+    while Instant::now() < deadline {
+        if condition() {
+            return true;
+        }
+        sleep(Duration::from_millis(1)).await;
+    }
+    condition()
+}
+
+fn all_dispatched(repo: &MemoryOutboxRepository, ids: &[&str]) -> bool {
+    ids.iter()
+        .all(|id| repo.get(id).unwrap().state == OutboxMessageState::Dispatched)
+}
+
+/// Every `on_error` report, as text and by variant.
+#[derive(Debug, Default, Clone)]
+struct Reports(Arc<Mutex<Vec<String>>>);
+
+impl Reports {
+    fn callback(&self) -> impl Fn(&DispatchError) + Send + Sync + 'static {
+        let reports = self.0.clone();
+        move |error| {
+            let kind = match error {
+                DispatchError::Repository { operation, .. } => format!("repository: {operation}"),
+                DispatchError::Publish { id, .. } => format!("publish: {id}"),
+                DispatchError::PublishBatch { rows, ids, .. } => {
+                    format!("publish batch: {rows} rows, {} ids", ids.len())
+                }
+                DispatchError::LeaseLost { rows } => format!("lease lost: {rows}"),
+                other => format!("other: {other}"),
+            };
+            reports.lock().unwrap().push(kind);
+        }
+    }
+
+    fn all(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+/// A memory repository whose marks, claims and lease extensions fail on demand, and which
+/// counts its mark calls.
+#[derive(Debug)]
+struct Faulty {
+    inner: Arc<MemoryOutboxRepository>,
+    /// `mark_dispatched` of more than one row fails (not retryably).
+    fail_batch_dispatched: AtomicBool,
+    /// Every `mark_dispatched` fails (retryably: a lost connection).
+    fail_all_dispatched: AtomicBool,
+    /// `mark_failures` of more than one row fails (not retryably).
+    fail_batch_failures: AtomicBool,
+    /// The claim with this number (1 for the first) fails.
+    fail_claim: AtomicUsize,
+    claims: AtomicUsize,
+    /// Lease extensions are not supported (the trait's default).
+    no_extend: AtomicBool,
+    /// Calls of `mark_failed`, `mark_dead` and `mark_failures`.
+    failure_marks: AtomicUsize,
+}
+
+impl Faulty {
+    fn new(inner: Arc<MemoryOutboxRepository>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            fail_batch_dispatched: AtomicBool::new(false),
+            fail_all_dispatched: AtomicBool::new(false),
+            fail_batch_failures: AtomicBool::new(false),
+            fail_claim: AtomicUsize::new(0),
+            claims: AtomicUsize::new(0),
+            no_extend: AtomicBool::new(false),
+            failure_marks: AtomicUsize::new(0),
+        })
+    }
+}
+
+fn io_error() -> Error {
+    Error::Repository {
+        operation: "test",
+        source: sqlx::Error::Io(std::io::Error::other("connection reset")),
+    }
+}
+
+impl OutboxRepository for Faulty {
+    async fn claim_due(
+        &self,
+        limit: usize,
+        lease: Duration,
+        cutoff: Option<DateTime<Utc>>,
+    ) -> trellis_outbox::Result<Claim> {
+        let n = self.claims.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.fail_claim.load(Ordering::SeqCst) == n {
+            return Err(io_error());
+        }
+        self.inner.claim_due(limit, lease, cutoff).await
+    }
+
+    async fn mark_dispatched(
+        &self,
+        claim: &Claim,
+        rows: &[Dispatched],
+    ) -> trellis_outbox::Result<u64> {
+        if self.fail_all_dispatched.load(Ordering::SeqCst) {
+            return Err(io_error());
+        }
+        if rows.len() > 1 && self.fail_batch_dispatched.load(Ordering::SeqCst) {
+            return Err(Error::UnknownKind(
+                "a value the batch statement refuses".into(),
+            ));
+        }
+        self.inner.mark_dispatched(claim, rows).await
+    }
+
+    async fn mark_failed(
+        &self,
+        claim: &Claim,
+        id: &str,
+        error: &str,
+        retry_after: Duration,
+    ) -> trellis_outbox::Result<bool> {
+        self.failure_marks.fetch_add(1, Ordering::SeqCst);
+        self.inner.mark_failed(claim, id, error, retry_after).await
+    }
+
+    async fn mark_dead(
+        &self,
+        claim: &Claim,
+        id: &str,
+        reason: &str,
+        count_attempt: bool,
+    ) -> trellis_outbox::Result<bool> {
+        self.failure_marks.fetch_add(1, Ordering::SeqCst);
+        self.inner.mark_dead(claim, id, reason, count_attempt).await
+    }
+
+    async fn mark_failures(
+        &self,
+        claim: &Claim,
+        failures: &[Failure],
+    ) -> trellis_outbox::Result<Vec<String>> {
+        self.failure_marks.fetch_add(1, Ordering::SeqCst);
+        if failures.len() > 1 && self.fail_batch_failures.load(Ordering::SeqCst) {
+            return Err(Error::UnknownKind(
+                "a value the batch statement refuses".into(),
+            ));
+        }
+        // The memory repository has no batch form: mark row by row without counting.
+        let mut marked = Vec::new();
+        for failure in failures {
+            let done = match failure.outcome {
+                trellis_outbox::FailureOutcome::Retry { after } => {
+                    self.inner
+                        .mark_failed(claim, &failure.id, &failure.error, after)
+                        .await?
+                }
+                trellis_outbox::FailureOutcome::Dead { count_attempt } => {
+                    self.inner
+                        .mark_dead(claim, &failure.id, &failure.error, count_attempt)
+                        .await?
+                }
+                _ => false,
+            };
+            if done {
+                marked.push(failure.id.clone());
+            }
+        }
+        Ok(marked)
+    }
+
+    async fn extend_lease(
+        &self,
+        claim: &Claim,
+        ids: &[&str],
+        lease: Duration,
+    ) -> trellis_outbox::Result<u64> {
+        if self.no_extend.load(Ordering::SeqCst) {
+            return Ok(0);
+        }
+        self.inner.extend_lease(claim, ids, lease).await
+    }
+
+    async fn release(&self, claim: &Claim, ids: &[&str]) -> trellis_outbox::Result<u64> {
+        self.inner.release(claim, ids).await
+    }
+
+    async fn retry(&self, id: &str) -> trellis_outbox::Result<bool> {
+        self.inner.retry(id).await
+    }
+
+    async fn next_due_in(&self) -> trellis_outbox::Result<Option<Duration>> {
+        self.inner.next_due_in().await
+    }
+
+    fn extends_leases(&self) -> bool {
+        !self.no_extend.load(Ordering::SeqCst)
+    }
+
+    fn overlaps_batches(&self) -> bool {
+        true
+    }
+}
+
+/// Starts a dispatcher that polls every 100 ms with a one-second lease.
+fn polling_dispatcher<R: OutboxRepository>(
+    repo: R,
+    publisher: &RecordingPublisher,
+    batch: usize,
+    reports: &Reports,
+) -> OutboxDispatcher {
+    OutboxDispatcher::builder(repo, publisher.clone())
+        .batch_size(batch)
+        .lease(Duration::from_secs(1))
+        .idle_interval(Duration::from_millis(100))
+        .on_error(reports.callback())
+        .start()
+        .unwrap()
+}
+
+// ---------------------------------------------------------------------------------------
+// Defect 2: leases run out mid-publish
+// ---------------------------------------------------------------------------------------
+
+/// Batch [c, d] is claimed while [a, b] is published (700 ms of a 1 s lease); it starts
+/// publishing with 300 ms of lease left and takes 700 ms. Another dispatcher polling every
+/// 100 ms must not get c or d meanwhile.
+#[tokio::test(start_paused = true)]
+async fn a_batch_claimed_ahead_keeps_its_lease_while_it_waits_and_publishes() {
+    let ids = ["a", "b", "c", "d"];
+    let repo = repo_with(&ids);
+    let publisher = RecordingPublisher::new();
+    publisher.delay_every_batch(Duration::from_millis(700));
+    let reports = Reports::default();
+    let first = polling_dispatcher(repo.clone(), &publisher, 2, &reports);
+    assert!(eventually(|| repo.is_leased("c")).await);
+    let second = polling_dispatcher(repo.clone(), &publisher, 2, &reports);
+    assert!(eventually(|| all_dispatched(&repo, &ids)).await);
+    sleep(Duration::from_secs(3)).await;
+    first.shutdown().await;
+    second.shutdown().await;
+    for id in ids {
+        assert_eq!(publisher.attempt_count(id), 1, "{id} was published twice");
+    }
+    assert!(reports.all().is_empty(), "{:?}", reports.all());
+}
+
+/// One publish takes 2.5 leases: the lease is extended while it runs.
+#[tokio::test(start_paused = true)]
+async fn a_publish_longer_than_the_lease_keeps_its_lease() {
+    let ids = ["a", "b"];
+    let repo = repo_with(&ids);
+    let publisher = RecordingPublisher::new();
+    publisher.delay_every_batch(Duration::from_millis(2500));
+    let reports = Reports::default();
+    let first = polling_dispatcher(repo.clone(), &publisher, 2, &reports);
+    assert!(eventually(|| repo.is_leased("a")).await);
+    let second = polling_dispatcher(repo.clone(), &publisher, 2, &reports);
+    assert!(eventually(|| all_dispatched(&repo, &ids)).await);
+    first.shutdown().await;
+    second.shutdown().await;
+    for id in ids {
+        assert_eq!(publisher.attempt_count(id), 1, "{id} was published twice");
+    }
+    assert!(reports.all().is_empty(), "{:?}", reports.all());
+}
+
+/// A repository that cannot extend leases: the batch whose lease is nearly over is released
+/// instead of published, and published once later.
+#[tokio::test(start_paused = true)]
+async fn without_lease_extension_a_nearly_expired_batch_is_released_not_published() {
+    let ids = ["a", "b", "c", "d"];
+    let memory = repo_with(&ids);
+    let repo = Faulty::new(memory.clone());
+    repo.no_extend.store(true, Ordering::SeqCst);
+    let publisher = RecordingPublisher::new();
+    publisher.delay_every_batch(Duration::from_millis(700));
+    let reports = Reports::default();
+    let first = polling_dispatcher(repo.clone(), &publisher, 2, &reports);
+    assert!(eventually(|| memory.is_leased("c")).await);
+    let second = polling_dispatcher(repo.clone(), &publisher, 2, &reports);
+    assert!(eventually(|| all_dispatched(&memory, &ids)).await);
+    sleep(Duration::from_secs(3)).await;
+    first.shutdown().await;
+    second.shutdown().await;
+    for id in ids {
+        assert_eq!(publisher.attempt_count(id), 1, "{id} was published twice");
+    }
+    assert!(
+        reports.all().contains(&"lease lost: 2".to_owned()),
+        "{:?}",
+        reports.all()
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Defect 3: marks are all-or-nothing
+// ---------------------------------------------------------------------------------------
+
+/// A batch `mark_dispatched` that fails for a reason other than the connection is retried
+/// row by row: the published rows are marked, not republished after their lease.
+#[tokio::test(start_paused = true)]
+async fn a_failed_batch_mark_falls_back_to_marking_row_by_row() {
+    let ids = ["a", "b", "c"];
+    let memory = repo_with(&ids);
+    let repo = Faulty::new(memory.clone());
+    repo.fail_batch_dispatched.store(true, Ordering::SeqCst);
+    let publisher = RecordingPublisher::new();
+    let reports = Reports::default();
+    let dispatcher = polling_dispatcher(repo.clone(), &publisher, 10, &reports);
+    assert!(eventually(|| all_dispatched(&memory, &ids)).await);
+    sleep(Duration::from_secs(5)).await;
+    dispatcher.shutdown().await;
+    for id in ids {
+        assert_eq!(publisher.attempt_count(id), 1, "{id} was published twice");
+    }
+    assert_eq!(
+        reports.all(),
+        ["repository: mark rows dispatched (retrying row by row)"]
+    );
+}
+
+/// Failed rows of a batch are marked in one call, and a failing batch call falls back to
+/// row by row; the rows published in the same batch are marked dispatched regardless.
+#[tokio::test(start_paused = true)]
+async fn failed_rows_are_marked_in_one_call_with_a_row_by_row_fallback() {
+    let ids: Vec<String> = (0..20).map(|n| format!("r{n:02}")).collect();
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let memory = repo_with(&refs);
+    let repo = Faulty::new(memory.clone());
+    let publisher = RecordingPublisher::new();
+    for id in &refs[..10] {
+        publisher.fail_always(id, "no responders");
+    }
+    let options = DispatchOptions::new()
+        .batch_size(20)
+        .retry_policy(RetryPolicy::fixed(LONG));
+    dispatch_outbox(&repo, &publisher, options.clone())
+        .await
+        .unwrap();
+    assert_eq!(repo.failure_marks.load(Ordering::SeqCst), 1);
+    for id in &refs[..10] {
+        assert_eq!(memory.get(id).unwrap().state, OutboxMessageState::Failed);
+    }
+    assert!(all_dispatched(&memory, &refs[10..]));
+
+    // The same with the batch call failing: every row is still marked.
+    let more: Vec<String> = (0..6).map(|n| format!("s{n}")).collect();
+    for id in &more {
+        memory.enqueue(&record(id)).unwrap();
+        publisher.fail_always(id, "no responders");
+    }
+    repo.fail_batch_failures.store(true, Ordering::SeqCst);
+    let report = dispatch_outbox(&repo, &publisher, options).await.unwrap();
+    assert_eq!(report.failed, 6);
+    for id in &more {
+        let row = memory.get(id).unwrap();
+        assert_eq!(row.state, OutboxMessageState::Failed, "{id}");
+        assert!(!memory.is_leased(id), "{id} is still leased");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Defect 10: every failure reaches on_error once, aggregated per batch
+// ---------------------------------------------------------------------------------------
+
+/// 50 rows of one batch fail: one report for the batch, with counts and the first ids.
+#[tokio::test(start_paused = true)]
+async fn an_outage_is_reported_once_per_batch() {
+    let ids: Vec<String> = (0..50).map(|n| format!("r{n:02}")).collect();
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let repo = repo_with(&refs);
+    let publisher = RecordingPublisher::new();
+    for id in &refs {
+        publisher.fail_always(id, "no responders");
+    }
+    let reports = Reports::default();
+    let dispatcher = OutboxDispatcher::builder(repo.clone(), publisher.clone())
+        .batch_size(100)
+        .retry_policy(RetryPolicy::fixed(LONG))
+        .idle_interval(LONG)
+        .on_error(reports.callback())
+        .start()
+        .unwrap();
+    assert!(publisher.wait_for_attempts(50, WAIT).await);
+    assert!(eventually(|| !reports.all().is_empty()).await);
+    sleep(Duration::from_secs(1)).await;
+    dispatcher.shutdown().await;
+    assert_eq!(reports.all(), ["publish batch: 50 rows, 10 ids"]);
+}
+
+/// The mark of the previous batch fails while the claim of the next one fails too: both
+/// failures are reported.
+#[tokio::test(start_paused = true)]
+async fn a_mark_failure_beside_a_claim_failure_is_reported() {
+    let ids = ["a", "b", "c"];
+    let memory = repo_with(&ids);
+    let repo = Faulty::new(memory.clone());
+    repo.fail_all_dispatched.store(true, Ordering::SeqCst);
+    // Claims: 1 = [a], 2 = [b] (while a is published), 3 fails (while b is published and a
+    // is marked).
+    repo.fail_claim.store(3, Ordering::SeqCst);
+    let publisher = RecordingPublisher::new();
+    let reports = Reports::default();
+    let dispatcher = OutboxDispatcher::builder(repo.clone(), publisher.clone())
+        .batch_size(1)
+        .retry_policy(RetryPolicy::fixed(LONG))
+        .idle_interval(LONG)
+        .on_error(reports.callback())
+        .start()
+        .unwrap();
+    assert!(
+        eventually(|| {
+            let all = reports.all();
+            all.contains(&"repository: claim due rows".to_owned())
+                && all
+                    .iter()
+                    .filter(|r| *r == "repository: mark rows dispatched")
+                    .count()
+                    >= 2
+        })
+        .await,
+        "{:?}",
+        reports.all()
+    );
+    dispatcher.shutdown().await;
+}
