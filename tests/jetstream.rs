@@ -658,7 +658,7 @@ fn headers_overlay_the_row_id() {
     rt.block_on(async {
         let db = sqlite().await;
         let rows = enqueue(&db, vec![record]).await;
-        let headers = rows[0].publish_headers();
+        let headers = rows[0].publish_headers().unwrap();
         assert_eq!(
             headers.get("Nats-Msg-Id").map(|v| v.as_str()),
             Some(rows[0].id.as_str())

@@ -790,6 +790,10 @@ impl<P: Publisher> Publisher for Arc<P> {
     fn on_start(&self, retry_policy: &RetryPolicy) -> impl Future<Output = ()> + Send {
         (**self).on_start(retry_policy)
     }
+
+    fn publish_budget(&self, rows: usize) -> Option<Duration> {
+        (**self).publish_budget(rows)
+    }
 }
 
 /// Builds an [`OutboxDispatcher`]; see [`OutboxDispatcher::builder`].

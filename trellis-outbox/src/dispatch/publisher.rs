@@ -3,6 +3,7 @@
 use std::error::Error as StdError;
 use std::fmt;
 use std::future::Future;
+use std::time::Duration;
 
 use crate::dispatch::retry::RetryPolicy;
 use crate::record::OutboxMessage;
@@ -106,5 +107,35 @@ pub trait Publisher: Send + Sync + 'static {
     fn on_start(&self, retry_policy: &RetryPolicy) -> impl Future<Output = ()> + Send {
         let _ = retry_policy;
         std::future::ready(())
+    }
+
+    /// The longest [`publish_batch`](Publisher::publish_batch) of `rows` messages may take;
+    /// the dispatcher rejects a lease shorter than twice this. `None` (the default): unknown,
+    /// nothing is checked.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use trellis_outbox::{OutboxMessage, PublishError, Publisher};
+    ///
+    /// struct OneSecondEach;
+    ///
+    /// impl Publisher for OneSecondEach {
+    ///     async fn publish_batch(
+    ///         &self,
+    ///         messages: &[OutboxMessage],
+    ///     ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
+    ///         messages.iter().map(|_| Ok(None)).collect()
+    ///     }
+    ///
+    ///     fn publish_budget(&self, rows: usize) -> Option<Duration> {
+    ///         Some(Duration::from_secs(1).saturating_mul(u32::try_from(rows).unwrap_or(u32::MAX)))
+    ///     }
+    /// }
+    ///
+    /// assert_eq!(OneSecondEach.publish_budget(3), Some(Duration::from_secs(3)));
+    /// ```
+    fn publish_budget(&self, rows: usize) -> Option<Duration> {
+        let _ = rows;
+        None
     }
 }
