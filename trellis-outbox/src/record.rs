@@ -371,7 +371,10 @@ impl InboxReceipt {
 )]
 pub trait ToOutboxRecord {
     /// Builds the record. Each call of a generated implementation makes a new id unless
-    /// the type names its own id field.
+    /// the type names its own id field (`#[outbox(id)]`). A chosen id is the row's key in the
+    /// whole outbox: namespace it by event type (`format!("order-shipped:{order_id}")`), since
+    /// enqueueing an id that is stored with different content fails with
+    /// [`Error::DuplicateIdentity`].
     ///
     /// # Errors
     ///
