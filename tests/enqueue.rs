@@ -182,8 +182,33 @@ fn same_id_other_payload(first: &PreparedOutboxRecord) -> PreparedOutboxRecord {
     second
 }
 
+const DUPLICATE_TEXT: &str = "already exists with different immutable content";
+
+/// The same event prepared again by a retried handler: same id and content, a new event time.
+fn retried(first: &PreparedOutboxRecord) -> PreparedOutboxRecord {
+    let mut again = first.clone();
+    again.headers.insert(
+        "Trellis-Event-Time".into(),
+        "2031-02-03T04:05:06.789Z".into(),
+    );
+    again
+}
+
+fn assert_duplicate_identity(err: &Error, id: &str) {
+    assert_eq!(
+        err.to_string(),
+        format!("Outbox message '{id}' {DUPLICATE_TEXT}"),
+        "upstream's exact text"
+    );
+    assert!(
+        matches!(err, Error::DuplicateIdentity { id: i, fields } if i == id && fields.contains(&"name")),
+        "{err:?}"
+    );
+    assert!(!err.is_retryable());
+}
+
 #[tokio::test]
-async fn pg_duplicate_id_keeps_and_returns_the_first_row() {
+async fn pg_duplicate_id_with_other_content_is_refused_and_keeps_the_first_row() {
     let db = pg().await;
     let first = record(1);
     let mut tx = db.pool.begin().await.unwrap();
@@ -191,10 +216,15 @@ async fn pg_duplicate_id_keeps_and_returns_the_first_row() {
     tx.commit().await.unwrap();
 
     let mut tx = db.pool.begin().await.unwrap();
-    let b = tx.enqueue(&same_id_other_payload(&first)).await.unwrap();
+    let err = tx
+        .enqueue(&same_id_other_payload(&first))
+        .await
+        .unwrap_err();
+    assert_duplicate_identity(&err, &first.id);
+    // Identical content, or only a new event time: idempotent, the stored row is returned.
+    assert_eq!(tx.enqueue(&first).await.unwrap(), a);
+    assert_eq!(tx.enqueue(&retried(&first)).await.unwrap(), a);
     tx.commit().await.unwrap();
-    assert_eq!(b, a, "the stored row is returned, not the rejected one");
-    assert_eq!(b.payload, r#"{"documentId":"doc-1"}"#);
 
     let rows: Vec<(String, String)> = sqlx::query_as("SELECT name, payload FROM trellis_outbox")
         .fetch_all(&db.pool)
@@ -211,15 +241,27 @@ async fn pg_duplicate_id_keeps_and_returns_the_first_row() {
 }
 
 #[tokio::test]
-async fn sqlite_duplicate_id_keeps_and_returns_the_first_row() {
+async fn sqlite_duplicate_id_with_other_content_is_refused_and_keeps_the_first_row() {
     let db = sqlite().await;
     let first = record(1);
     let mut tx = db.pool.begin().await.unwrap();
     let a = tx.enqueue(&first).await.unwrap();
     // Within the same transaction too.
-    let b = tx.enqueue(&same_id_other_payload(&first)).await.unwrap();
+    let err = tx
+        .enqueue(&same_id_other_payload(&first))
+        .await
+        .unwrap_err();
+    assert_duplicate_identity(&err, &first.id);
+    let mut other_payload = first.clone();
+    other_payload.payload = r#"{"documentId":"doc-2"}"#.into();
+    let err = tx.enqueue(&other_payload).await.unwrap_err();
+    assert!(
+        matches!(&err, Error::DuplicateIdentity { fields, .. } if fields == &["payload"]),
+        "{err:?}"
+    );
+    assert_eq!(tx.enqueue(&first).await.unwrap(), a);
+    assert_eq!(tx.enqueue(&retried(&first)).await.unwrap(), a);
     tx.commit().await.unwrap();
-    assert_eq!(b, a);
     let n: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox")
         .fetch_one(&db.pool)
         .await
@@ -290,9 +332,9 @@ async fn check_enqueue_all_with_duplicates<DB: trellis_outbox::OutboxDatabase>(
 
     let fresh = record(1);
     let batch = vec![
-        same_id_other_payload(&existing), // already stored
+        retried(&existing), // already stored, only the event time differs
         fresh.clone(),
-        same_id_other_payload(&fresh), // repeats within the batch
+        fresh.clone(), // repeats within the batch
     ];
     let mut tx = pool.begin().await.unwrap();
     let stored = tx.enqueue_all(batch).await.unwrap();
@@ -302,6 +344,18 @@ async fn check_enqueue_all_with_duplicates<DB: trellis_outbox::OutboxDatabase>(
     assert_eq!(stored[1].payload, fresh.payload);
     assert_eq!(stored[2], stored[1], "the first occurrence wins");
     assert_eq!(stored[2].name, "Document.Processed");
+
+    // Other content under a stored id, or under an id repeated within the batch: refused.
+    for batch in [vec![record(5), same_id_other_payload(&existing)], {
+        let repeated = record(6);
+        vec![repeated.clone(), same_id_other_payload(&repeated)]
+    }] {
+        let id = batch[1].id.clone();
+        let mut tx = pool.begin().await.unwrap();
+        let err = tx.enqueue_all(batch).await.unwrap_err();
+        assert_duplicate_identity(&err, &id);
+        tx.rollback().await.unwrap();
+    }
 }
 
 #[tokio::test]
@@ -401,9 +455,45 @@ fn invalid_records() -> Vec<(PreparedOutboxRecord, &'static str)> {
     let mut r = base.clone();
     r.headers.insert("Bad Header".into(), "x".into());
     out.push((r, "headers"));
-    let mut r = base;
+    let mut r = base.clone();
     r.headers.insert("X-Ok".into(), "line\nbreak".into());
     out.push((r, "headers"));
+    let mut r = base.clone();
+    r.headers
+        .insert("X-Ok".into(), "a\r\nNats-Rollup: all".into());
+    out.push((r, "headers"));
+    let mut r = base.clone();
+    r.id = "01ID\r\nNats-Rollup: all".into();
+    out.push((r, "id"));
+    // Subjects reaching the server's control plane.
+    for subject in [
+        "$JS.API.STREAM.DELETE.x",
+        "$KV.config.key",
+        "$SYS.REQ.SERVER.PING",
+        "$O.store.x",
+        "_INBOX.abc",
+    ] {
+        let mut r = base.clone();
+        r.subject = subject.into();
+        out.push((r, "subject"));
+    }
+    // Job records are checked the same way.
+    let mut r = base.clone();
+    r.kind = OutboxRecordKind::JobSubmit;
+    r.subject = "$JS.API.STREAM.PURGE.jobs".into();
+    out.push((r, "subject"));
+    // NATS control headers, in any letter case.
+    for name in [
+        "Nats-Rollup",
+        "nats-expected-stream",
+        "Nats-Expected-Last-Sequence",
+        "Nats-TTL",
+        "Nats-Marker-Reason",
+    ] {
+        let mut r = base.clone();
+        r.headers.insert(name.into(), "all".into());
+        out.push((r, "headers"));
+    }
     out
 }
 
@@ -417,6 +507,9 @@ async fn check_invalid_input_keeps_tx_usable<DB: trellis_outbox::OutboxDatabase>
             matches!(&err, Error::InvalidRecord { field: f, .. } if *f == field),
             "{err:?} should name {field}"
         );
+        if field == "subject" && bad.subject.starts_with(['$', '_']) {
+            assert!(err.to_string().contains(&bad.subject[..2]), "{err}");
+        }
         assert!(!err.is_retryable());
         // One bad record in a batch rejects the whole batch before any SQL.
         let err = tx.enqueue_all([record(7), bad]).await.unwrap_err();

@@ -614,7 +614,7 @@ async fn measure_batch_vs_one_at_a_time() {
                 }
                 let publish = async_nats::jetstream::message::PublishMessage::build()
                     .payload(row.payload.clone().into())
-                    .headers(row.publish_headers());
+                    .headers(row.publish_headers().unwrap());
                 pending.push_back(js.send_publish(row.subject.clone(), publish).await.unwrap());
             }
             for ack in pending {
@@ -658,7 +658,7 @@ fn headers_overlay_the_row_id() {
     rt.block_on(async {
         let db = sqlite().await;
         let rows = enqueue(&db, vec![record]).await;
-        let headers = rows[0].publish_headers();
+        let headers = rows[0].publish_headers().unwrap();
         assert_eq!(
             headers.get("Nats-Msg-Id").map(|v| v.as_str()),
             Some(rows[0].id.as_str())
@@ -711,4 +711,180 @@ async fn a_dispatcher_checks_its_streams_at_start_without_blocking_on_a_missing_
             );
         })
         .await;
+}
+
+/// A row that reaches the publisher without passing a claim's wire check (a custom
+/// repository, a hand-built message) still cannot purge the stream: `Nats-*` control
+/// headers are stripped at publish, and a bad header or id fails that row only.
+#[tokio::test]
+async fn control_headers_are_stripped_at_publish_and_bad_headers_fail_only_their_row() {
+    let js = jetstream().await;
+    let stream = TestStream::create(&js, |token| Config {
+        subjects: vec![format!("{token}.>")],
+        allow_rollup: true,
+        ..Config::default()
+    })
+    .await;
+    let s = stream.clone();
+    stream
+        .run(async move {
+            let db = sqlite().await;
+            let mut rows = enqueue(
+                &db,
+                (0..4)
+                    .map(|n| event(s.subject("orders.placed"), n))
+                    .collect(),
+            )
+            .await;
+            rows[1].headers.insert("Nats-Rollup".into(), "all".into());
+            rows[1]
+                .headers
+                .insert("nats-expected-last-sequence".into(), "999".into());
+            rows[2].headers.insert("X-Note".into(), "a\r\nb".into());
+            rows[3].id = "bad\nid".into();
+            let results = JetStreamPublisher::new(js.clone())
+                .publish_batch(&rows)
+                .await;
+            assert!(matches!(results[0], Ok(None)));
+            assert!(matches!(results[1], Ok(None)), "stripped, then published");
+            for bad in &results[2..] {
+                let err = bad.as_ref().unwrap_err();
+                assert!(!err.is_retryable());
+                assert_eq!(js_error(err).kind(), JetStreamErrorKind::InvalidHeader);
+            }
+            let messages = s.messages().await;
+            assert_eq!(messages.len(), 2, "the rollup purged nothing");
+            assert!(header(&messages[1], "Nats-Rollup").is_none());
+            assert_eq!(
+                header(&messages[1], "Nats-Msg-Id"),
+                Some(rows[1].id.as_str())
+            );
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn allowed_subject_prefixes_fail_other_subjects_permanently() {
+    let js = jetstream().await;
+    let stream = TestStream::events(&js).await;
+    let s = stream.clone();
+    stream
+        .run(async move {
+            let db = sqlite().await;
+            let rows = enqueue(
+                &db,
+                vec![
+                    event(s.subject("allowed.a"), 0),
+                    event(s.subject("other.b"), 1),
+                ],
+            )
+            .await;
+            let publisher = JetStreamPublisher::builder(js.clone())
+                .allow_subject_prefixes([s.subject("allowed.")])
+                .build();
+            let results = publisher.publish_batch(&rows).await;
+            assert!(matches!(results[0], Ok(None)));
+            let err = results[1].as_ref().unwrap_err();
+            assert!(!err.is_retryable());
+            assert_eq!(js_error(err).kind(), JetStreamErrorKind::SubjectNotAllowed);
+            assert!(
+                err.chain().contains(&s.subject("other.b")),
+                "{}",
+                err.chain()
+            );
+            assert!(err.chain().contains("allowed prefixes"), "{}", err.chain());
+            assert_eq!(s.count().await, 1);
+        })
+        .await;
+}
+
+/// `ack_timeout(Duration::MAX)` panicked (`Instant + Duration` overflow) on the first ack.
+#[tokio::test]
+async fn huge_ack_timeout_and_window_do_not_panic_and_the_budget_saturates() {
+    let js = jetstream().await;
+    let stream = TestStream::events(&js).await;
+    let s = stream.clone();
+    let context = js.clone();
+    stream
+        .run(async move {
+            let db = sqlite().await;
+            let rows = enqueue(&db, (0..3).map(|n| event(s.subject("a"), n)).collect()).await;
+            let publisher = JetStreamPublisher::builder(context)
+                .ack_timeout(Duration::MAX)
+                .ack_window(usize::MAX)
+                .build();
+            assert_all_ok(&publisher.publish_batch(&rows).await);
+            assert_eq!(s.count().await, 3);
+            assert_eq!(publisher.publish_budget(10), Duration::MAX);
+            assert_eq!(
+                Publisher::publish_budget(&publisher, 10),
+                Some(Duration::MAX)
+            );
+        })
+        .await;
+
+    let publisher = JetStreamPublisher::builder(js.clone())
+        .ack_window(100)
+        .ack_timeout(Duration::from_secs(2))
+        .build();
+    assert_eq!(publisher.publish_budget(0), Duration::ZERO);
+    assert_eq!(publisher.publish_budget(1), Duration::from_secs(2));
+    assert_eq!(publisher.publish_budget(100), Duration::from_secs(2));
+    assert_eq!(publisher.publish_budget(250), Duration::from_secs(6));
+    let arc: Arc<JetStreamPublisher> = Arc::new(publisher);
+    assert_eq!(
+        Publisher::publish_budget(&arc, 250),
+        Some(Duration::from_secs(6))
+    );
+    // Job rows through a dispatcher are decided one at a time.
+    let with_jobs = JetStreamPublisher::builder(js)
+        .ack_window(100)
+        .ack_timeout(Duration::from_secs(2))
+        .job_dispatcher(Manager::default())
+        .job_dispatch_timeout(Duration::from_secs(1))
+        .build();
+    assert_eq!(with_jobs.publish_budget(250), Duration::from_secs(6 + 250));
+}
+
+/// A job dispatcher that never answers.
+struct Stuck;
+
+impl JobDispatcher for Stuck {
+    async fn dispatch_job(&self, _: &OutboxMessage) -> Result<JobAdmission, PublishError> {
+        std::future::pending().await
+    }
+}
+
+/// A stuck jobs manager held the whole batch forever.
+#[tokio::test]
+async fn a_stuck_job_dispatcher_times_out_retryably_and_events_still_publish() {
+    let js = jetstream().await;
+    let (stream, service) = jobs_stream(&js).await;
+    let events = TestStream::events(&js).await;
+    let e = events.clone();
+    stream
+        .run(async move {
+            let db = sqlite().await;
+            let (job, _, _) = job_record(&service, 0);
+            let rows = enqueue(&db, vec![job, event(e.subject("a"), 0)]).await;
+            let publisher = JetStreamPublisher::builder(js.clone())
+                .job_dispatcher(Stuck)
+                .job_dispatch_timeout(Duration::from_millis(200))
+                .build();
+            let results =
+                tokio::time::timeout(Duration::from_secs(10), publisher.publish_batch(&rows))
+                    .await
+                    .expect("the batch finishes");
+            let err = results[0].as_ref().unwrap_err();
+            assert!(err.is_retryable());
+            assert_eq!(
+                js_error(err).kind(),
+                JetStreamErrorKind::JobDispatchTimedOut
+            );
+            assert!(err.chain().contains("within 200ms"), "{}", err.chain());
+            assert!(matches!(results[1], Ok(None)));
+            assert_eq!(e.count().await, 1);
+        })
+        .await;
+    events.delete().await;
 }

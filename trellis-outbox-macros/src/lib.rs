@@ -38,7 +38,10 @@ use proc_macro::TokenStream;
 /// # Field attributes
 ///
 /// - `#[outbox(id)]` on at most one field: its `Display` output is the record id (and the
-///   `Nats-Msg-Id` header) instead of a new ULID, for deterministic idempotency.
+///   `Nats-Msg-Id` header) instead of a new ULID, for deterministic idempotency. The id is
+///   unique across the whole outbox table, so namespace it by event type, e.g. a field set to
+///   `format!("order-shipped:{order_id}")`: another event type reusing a bare `order_id`
+///   would fail to enqueue with `Error::DuplicateIdentity`.
 ///
 /// Other attributes (`#[serde(...)]`, …) are left alone; the payload is serde's output, so
 /// they apply. See the `trellis_outbox::OutboxEvent` trait for compiled examples.

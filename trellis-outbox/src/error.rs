@@ -38,6 +38,27 @@ pub enum Error {
         name: String,
     },
 
+    /// A table name is a valid identifier, but it or an identifier derived from it (the
+    /// `<outbox>_wakeup` notification channel, the `<outbox>_due_idx` and `<outbox>_claim_idx`
+    /// indexes) is longer than PostgreSQL's 63-byte identifier limit, which PostgreSQL would
+    /// reject or silently truncate (making two index names collide).
+    #[error(
+        "SQL {kind} table name \"{name}\" is too long: the identifier \"{derived}\" derived from it \
+         is {length} bytes, over PostgreSQL's limit of {limit} bytes"
+    )]
+    TableNameTooLong {
+        /// Which of the two tables was named.
+        kind: TableKind,
+        /// The rejected name, as given.
+        name: String,
+        /// The identifier that does not fit (the name itself, or one derived from it).
+        derived: String,
+        /// Its length in bytes.
+        length: usize,
+        /// The limit, 63 bytes.
+        limit: usize,
+    },
+
     /// An outbox record was rejected before any SQL was sent.
     #[error("invalid outbox record {id:?}: `{field}` {problem}")]
     InvalidRecord {
@@ -85,6 +106,29 @@ pub enum Error {
         column: &'static str,
         /// What is wrong with it.
         problem: String,
+    },
+
+    /// A record was enqueued with the id of a stored row whose content differs (upstream
+    /// Trellis' `OutboxDuplicateIdentityError`, same text). Kind, name, subject, payload and
+    /// headers are compared; the headers a retry of the same logical event re-creates
+    /// (`Trellis-Event-Time`, `traceparent`, `tracestate`) are not. Nothing was written for
+    /// this record; roll the transaction back if earlier records of the same call must not be
+    /// kept either.
+    #[error("Outbox message '{id}' already exists with different immutable content")]
+    DuplicateIdentity {
+        /// The record id.
+        id: String,
+        /// Which fields differ: `kind`, `name`, `subject`, `payload` and/or `headers`.
+        fields: Vec<&'static str>,
+    },
+
+    /// An insert of a record conflicted on its id, but no stored row with that id could be
+    /// read back (upstream Trellis' `OutboxStorageConflictError`, same text); for example the
+    /// row was deleted meanwhile, or it is not visible to a `REPEATABLE READ` snapshot.
+    #[error("Outbox message '{id}' conflicted but no stored row was found")]
+    StorageConflict {
+        /// The record id.
+        id: String,
     },
 
     /// The database failed while inserting outbox records.

@@ -71,6 +71,37 @@ pub const TRACESTATE: &str = "tracestate";
 /// # Ok::<(), trellis_outbox::Error>(())
 /// ```
 ///
+/// The id is the row's primary key in the whole outbox table and the `Nats-Msg-Id` JetStream
+/// de-duplicates on, so it must name *this* event, not just the entity it is about: two event
+/// types marked `#[outbox(id)] order_id` would share ids, and enqueueing the second fails
+/// with [`Error::DuplicateIdentity`](crate::Error::DuplicateIdentity) (`Outbox message '<id>'
+/// already exists with different immutable content`). Namespace the id with the event, e.g.
+/// `format!("order-shipped:{order_id}")` in a dedicated field. Enqueueing the same event again
+/// (same name, subject, payload and headers; the event time and trace headers may differ) is
+/// idempotent and returns the stored row.
+///
+/// ```
+/// use trellis_outbox::{OutboxEvent, ToOutboxRecord};
+///
+/// #[derive(serde::Serialize, OutboxEvent)]
+/// #[outbox(name = "Orders.Shipped", subject = "events.v1.Orders.Shipped.{order_id}")]
+/// struct OrderShipped {
+///     #[outbox(id)]
+///     #[serde(skip)]
+///     event_id: String,
+///     order_id: String,
+/// }
+///
+/// impl OrderShipped {
+///     fn new(order_id: &str) -> Self {
+///         Self { event_id: format!("order-shipped:{order_id}"), order_id: order_id.into() }
+///     }
+/// }
+///
+/// assert_eq!(OrderShipped::new("o-1").to_outbox_record()?.id, "order-shipped:o-1");
+/// # Ok::<(), trellis_outbox::Error>(())
+/// ```
+///
 /// Mistakes are compile errors at the attribute, e.g. a missing `subject`:
 ///
 /// ```compile_fail
@@ -98,7 +129,7 @@ pub const TRACESTATE: &str = "tracestate";
 /// | `name = "..."` | struct, required | the event name (record `name`) |
 /// | `subject = "..."` | struct, required | the subject template; `{field}` tokens are replaced by the field's escaped `Display` output |
 /// | `crate = "path"` | struct | path to `trellis_outbox` when it is re-exported |
-/// | `id` | one field | use the field's `Display` output as the record id instead of a new ULID |
+/// | `id` | one field | use the field's `Display` output as the record id instead of a new ULID; namespace it per event type (see above) |
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not an outbox event",
     note = "derive it with `#[derive(serde::Serialize, trellis_outbox::OutboxEvent)]` and `#[outbox(name = \"...\", subject = \"...\")]`"

@@ -79,6 +79,7 @@ mod sqlite;
 mod subject;
 mod tables;
 mod time;
+mod wire;
 
 #[cfg(feature = "sqlite")]
 pub use crate::dispatch::SqliteOutboxRepository;
@@ -99,9 +100,10 @@ pub use crate::migrate::{
 };
 #[cfg(feature = "nats")]
 pub use crate::nats::{
-    DEFAULT_ACK_TIMEOUT, DEFAULT_ACK_WINDOW, DEFAULT_JOB_MAX_TRIES, JetStreamError,
-    JetStreamErrorKind, JetStreamPublisher, JetStreamPublisherBuilder, JobAdmission, JobDispatcher,
-    JobRef, JobRequest, NoJobDispatcher, StreamCheck, StreamCheckError,
+    DEFAULT_ACK_TIMEOUT, DEFAULT_ACK_WINDOW, DEFAULT_JOB_DISPATCH_TIMEOUT, DEFAULT_JOB_MAX_TRIES,
+    JetStreamError, JetStreamErrorKind, JetStreamPublisher, JetStreamPublisherBuilder,
+    JobAdmission, JobDispatcher, JobRef, JobRequest, NoJobDispatcher, StreamCheck,
+    StreamCheckError,
 };
 pub use crate::outbox::{Outbox, OutboxDatabase, OutboxTransactionExt};
 pub use crate::record::{

@@ -174,15 +174,20 @@ impl Outbox {
 
     /// Writes `record` to the outbox inside `tx` and returns the stored row.
     ///
-    /// Idempotent on the record id: when a row with that id already exists, nothing is
-    /// written and the row already stored is returned (upstream Trellis returns a row it did
-    /// not store). Nothing is published before `tx` commits.
+    /// Idempotent on the record id: when a row with that id already exists with the same
+    /// kind, name, subject, payload and headers (the `Trellis-Event-Time`, `traceparent` and
+    /// `tracestate` headers may differ: a retried handler re-creates them), nothing is
+    /// written and the row already stored is returned. When its content differs, the
+    /// enqueue fails with [`Error::DuplicateIdentity`] instead of silently dropping the new
+    /// message. Nothing is published before `tx` commits.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidRecord`] before any SQL if the record is invalid (the transaction stays
     /// usable), [`Error::Serialize`] if it cannot be built, [`Error::Enqueue`] if the database
-    /// fails, [`Error::Decode`] if an existing row with the same id cannot be read.
+    /// fails, [`Error::DuplicateIdentity`] if a row with the same id and different content
+    /// exists, [`Error::StorageConflict`] if the insert conflicted but no row with the id can
+    /// be read, [`Error::Decode`] if an existing row with the same id cannot be decoded.
     pub async fn enqueue<DB, R>(
         &self,
         tx: &mut Transaction<'_, DB>,
@@ -223,11 +228,13 @@ impl Outbox {
     /// limits allow, and returns the stored rows in input order.
     ///
     /// Every record is validated before any SQL is sent. Ids that already exist (or repeat
-    /// within `records`) are not written again; their stored rows are returned.
+    /// within `records`) are not written again; their stored rows are returned when their
+    /// content is the record's, as with [`Outbox::enqueue`].
     ///
     /// # Errors
     ///
-    /// As [`Outbox::enqueue`].
+    /// As [`Outbox::enqueue`]. On [`Error::DuplicateIdentity`] the other records of the call
+    /// may already be written in `tx`: roll it back.
     pub async fn enqueue_all<DB, I>(
         &self,
         tx: &mut Transaction<'_, DB>,

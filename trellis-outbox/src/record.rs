@@ -11,6 +11,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::subject::subject_problem;
 use crate::time::{format_timestamp, now_millis};
+use crate::wire::{header_problem, id_problem};
 
 /// The NATS header carrying the JetStream de-duplication id (the outbox row id).
 pub const NATS_MSG_ID: &str = "Nats-Msg-Id";
@@ -204,10 +205,15 @@ impl PreparedOutboxRecord {
 
     /// Checks the record before any SQL is sent.
     ///
-    /// Rejected: an empty id, name or subject; an id or name with control characters; a
-    /// subject with whitespace, an empty token or a `*`/`>` wildcard token; a payload that is
-    /// not valid JSON text; header names that are empty or not printable ASCII without `:`;
-    /// header values containing CR or LF.
+    /// Rejected: an empty id, name or subject; an id with control characters or leading or
+    /// trailing whitespace (it is sent as the `Nats-Msg-Id` header); a name with control
+    /// characters; a subject with whitespace, an empty token, a `*`/`>` wildcard token, a
+    /// first token starting with `$` (`$JS`, `$KV`, `$SYS`, … reach the NATS server's control
+    /// plane) or a first token `_INBOX`; a payload that is not valid JSON text; header names
+    /// that are empty or not printable ASCII without `:`; NATS control headers (any name
+    /// starting with `Nats-`, in any letter case, except `Nats-Msg-Id`: `Nats-Rollup`,
+    /// `Nats-Expected-*`, `Nats-TTL`, … can purge or alter a stream); header values
+    /// containing CR or LF. Every kind is checked the same way.
     ///
     /// # Errors
     ///
@@ -220,19 +226,19 @@ impl PreparedOutboxRecord {
     /// record.subject = "events.v1.*".into();
     /// let err = record.validate().unwrap_err();
     /// assert!(err.to_string().contains("`subject` contains the wildcard token `*`"));
+    ///
+    /// record.subject = "$JS.API.STREAM.DELETE.orders".into();
+    /// assert!(record.validate().unwrap_err().to_string().contains("`subject` starts with the system token `$JS`"));
+    ///
+    /// record.subject = "events.v1.A.B".into();
+    /// record.headers.insert("Nats-Rollup".into(), "all".into());
+    /// assert!(record.validate().unwrap_err().to_string().contains("NATS control header"));
     /// # Ok::<(), trellis_outbox::Error>(())
     /// ```
     pub fn validate(&self) -> Result<()> {
         let id = self.id.as_str();
-        if id.is_empty() {
-            return Err(Error::invalid_record(id, "id", "is empty"));
-        }
-        if id.chars().any(char::is_control) {
-            return Err(Error::invalid_record(
-                id,
-                "id",
-                "contains control characters",
-            ));
+        if let Some(problem) = id_problem(id) {
+            return Err(Error::invalid_record(id, "id", problem));
         }
         if self.name.is_empty() {
             return Err(Error::invalid_record(id, "name", "is empty"));
@@ -255,24 +261,8 @@ impl PreparedOutboxRecord {
             ));
         }
         for (name, value) in &self.headers {
-            if name.is_empty() {
-                return Err(Error::invalid_record(id, "headers", "has an empty name"));
-            }
-            if let Some(c) = name.chars().find(|&c| !c.is_ascii_graphic() || c == ':') {
-                return Err(Error::invalid_record(
-                    id,
-                    "headers",
-                    format!(
-                        "name {name:?} contains {c:?}; NATS header names are printable ASCII without ':'"
-                    ),
-                ));
-            }
-            if value.contains(['\r', '\n']) {
-                return Err(Error::invalid_record(
-                    id,
-                    "headers",
-                    format!("value of {name:?} contains a line break"),
-                ));
+            if let Some(problem) = header_problem(name, value) {
+                return Err(Error::invalid_record(id, "headers", problem));
             }
         }
         Ok(())
@@ -381,7 +371,10 @@ impl InboxReceipt {
 )]
 pub trait ToOutboxRecord {
     /// Builds the record. Each call of a generated implementation makes a new id unless
-    /// the type names its own id field.
+    /// the type names its own id field (`#[outbox(id)]`). A chosen id is the row's key in the
+    /// whole outbox: namespace it by event type (`format!("order-shipped:{order_id}")`), since
+    /// enqueueing an id that is stored with different content fails with
+    /// [`Error::DuplicateIdentity`].
     ///
     /// # Errors
     ///
@@ -472,7 +465,50 @@ mod tests {
         type Mutation = fn(&mut PreparedOutboxRecord);
         let cases: Vec<(Mutation, &str)> = vec![
             (|r| r.id.clear(), "`id` is empty"),
-            (|r| r.id = "a\nb".into(), "`id` contains control"),
+            (
+                |r| r.id = "a\nb".into(),
+                "`id` contains the control character",
+            ),
+            (
+                |r| r.id = "a\r\nb".into(),
+                "`id` contains the control character",
+            ),
+            (
+                |r| r.id = " a".into(),
+                "`id` starts or ends with whitespace",
+            ),
+            (
+                |r| r.subject = "$JS.API.STREAM.DELETE.x".into(),
+                "`subject` starts with the system token `$JS`",
+            ),
+            (
+                |r| r.subject = "$KV.bucket.key".into(),
+                "`subject` starts with the system token `$KV`",
+            ),
+            (|r| r.subject = "$SYS.REQ.x".into(), "system token `$SYS`"),
+            (
+                |r| r.subject = "_INBOX.x".into(),
+                "`subject` is in the `_INBOX` reply namespace",
+            ),
+            (
+                |r| {
+                    r.headers.insert("Nats-Rollup".into(), "all".into());
+                },
+                "`headers` \"Nats-Rollup\" is a NATS control header",
+            ),
+            (
+                |r| {
+                    r.headers
+                        .insert("nats-expected-last-sequence".into(), "1".into());
+                },
+                "\"nats-expected-last-sequence\" is a NATS control header",
+            ),
+            (
+                |r| {
+                    r.headers.insert("Nats-TTL".into(), "1s".into());
+                },
+                "\"Nats-TTL\" is a NATS control header",
+            ),
             (|r| r.name.clear(), "`name` is empty"),
             (|r| r.subject.clear(), "`subject` is empty"),
             (
@@ -522,6 +558,10 @@ mod tests {
             );
         }
         record().validate().unwrap();
+        // The dedupe id header itself is allowed, in any letter case.
+        let mut r = record();
+        r.headers.insert("nats-msg-id".into(), r.id.clone());
+        r.validate().unwrap();
     }
 
     #[test]

@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::migrate::SqlOutboxMigration;
 use crate::outbox::sealed::Backend;
 use crate::record::{InboxReceipt, OutboxMessage, PreparedOutboxRecord};
-use crate::row::{COLUMN_NAMES, batch_result};
+use crate::row::{COLUMN_NAMES, batch_result, existing_row};
 use crate::sql::{COLUMNS, SqlStatements};
 use crate::tables::Dialect;
 use crate::time::{format_timestamp, now_millis, parse_timestamp};
@@ -67,10 +67,11 @@ impl Backend for Sqlite {
         }
         let row = sqlx::query(AssertSqlSafe(sql.select_by_id.clone()))
             .bind(&record.id)
-            .fetch_one(&mut *conn)
+            .fetch_optional(&mut *conn)
             .await
             .map_err(enqueue_error)?;
-        decode(&row)
+        let stored = row.as_ref().map(decode).transpose()?;
+        existing_row(&record, stored.as_ref())
     }
 
     async fn insert_many(

@@ -65,10 +65,15 @@ pub fn escape_subject_token(value: &str) -> Cow<'_, str> {
     }
 }
 
-/// Checks that `subject` is a literal NATS subject a message can be published to.
+/// The first token of the reply subjects NATS clients use (async-nats' default inbox prefix).
+pub(crate) const INBOX_PREFIX: &str = "_INBOX";
+
+/// Checks that `subject` is a literal NATS subject an outbox row may be published to.
 ///
 /// Returns a description of the first problem: empty, whitespace or control characters,
-/// an empty token (leading, trailing or doubled `.`), or a `*`/`>` wildcard token.
+/// an empty token (leading, trailing or doubled `.`), a `*`/`>` wildcard token, a first
+/// token starting with `$` (the server's control plane: `$JS` JetStream API, `$KV`, `$O`,
+/// `$SYS`, …) or a first token `_INBOX` (request replies).
 pub(crate) fn subject_problem(subject: &str) -> Option<String> {
     if subject.is_empty() {
         return Some("is empty".into());
@@ -91,6 +96,18 @@ pub(crate) fn subject_problem(subject: &str) -> Option<String> {
             }
             _ => {}
         }
+    }
+    let first = subject.split('.').next().unwrap_or_default();
+    if first.starts_with('$') {
+        return Some(format!(
+            "starts with the system token `{first}`: `$`-prefixed subjects reach the NATS \
+             server's control plane (JetStream API, KV, system account), not a stream"
+        ));
+    }
+    if first == INBOX_PREFIX {
+        return Some(format!(
+            "is in the `{INBOX_PREFIX}` reply namespace, where clients receive request replies"
+        ));
     }
     None
 }
@@ -118,6 +135,25 @@ mod tests {
         assert_eq!(subject_problem("events.v1.a*b.c>d"), None);
         for bad in [
             "", "a b", "a..b", ".a", "a.", "a.*.b", "a.>", "a\nb", "a\0b",
+        ] {
+            assert!(subject_problem(bad).is_some(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn refuses_the_control_plane() {
+        assert_eq!(subject_problem("events.$JS.x"), None);
+        assert_eq!(subject_problem("_INBOXES.x"), None);
+        assert_eq!(subject_problem("events._INBOX.x"), None);
+        for bad in [
+            "$JS.API.STREAM.DELETE.x",
+            "$JS",
+            "$KV.bucket.key",
+            "$SYS.REQ.SERVER.PING",
+            "$O.store.x",
+            "$JSC.x",
+            "_INBOX.abc",
+            "_INBOX",
         ] {
             assert!(subject_problem(bad).is_some(), "{bad:?} accepted");
         }

@@ -99,16 +99,46 @@ impl OutboxTables {
     /// Upstream's default inbox table name.
     pub const DEFAULT_INBOX: &'static str = "trellis_inbox";
 
+    /// PostgreSQL's identifier limit in bytes (`NAMEDATALEN - 1`).
+    pub const MAX_IDENTIFIER_BYTES: usize = 63;
+
+    /// The suffixes of identifiers derived from the outbox table name: the `NOTIFY` channel
+    /// and the indexes. Keep in sync with `migrate.rs` and `sql.rs`.
+    const OUTBOX_SUFFIXES: [&'static str; 3] = ["_wakeup", "_due_idx", "_claim_idx"];
+
     /// Validates both names (outbox first) and returns them.
+    ///
+    /// Both must be simple identifiers (upstream's rule) and fit PostgreSQL's 63-byte
+    /// identifier limit together with every identifier derived from them: `<outbox>_wakeup`,
+    /// `<outbox>_due_idx` and `<outbox>_claim_idx`, so an outbox name has at most 53 bytes.
+    /// The limit applies on SQLite too, so a schema can move between the two.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidTableName`] naming the first invalid table, with upstream's exact message.
+    /// [`Error::InvalidTableName`] naming the first invalid table, with upstream's exact message;
+    /// then [`Error::TableNameTooLong`] naming the first identifier that does not fit.
+    ///
+    /// ```
+    /// use trellis_outbox::{Error, OutboxTables};
+    ///
+    /// let err = OutboxTables::new("o".repeat(57), "inbox").unwrap_err();
+    /// assert!(matches!(err, Error::TableNameTooLong { length: 64, .. }));
+    /// assert!(err.to_string().contains("_wakeup\" derived from it is 64 bytes"));
+    /// ```
     pub fn new(outbox: impl Into<String>, inbox: impl Into<String>) -> Result<Self> {
         let outbox = outbox.into();
         let inbox = inbox.into();
         validate_identifier(TableKind::Outbox, &outbox)?;
         validate_identifier(TableKind::Inbox, &inbox)?;
+        let outbox_derived = Self::OUTBOX_SUFFIXES
+            .iter()
+            .map(|suffix| format!("{outbox}{suffix}"));
+        check_length(
+            TableKind::Outbox,
+            &outbox,
+            std::iter::once(outbox.clone()).chain(outbox_derived),
+        )?;
+        check_length(TableKind::Inbox, &inbox, std::iter::once(inbox.clone()))?;
         Ok(Self { outbox, inbox })
     }
 
@@ -143,6 +173,26 @@ fn validate_identifier(kind: TableKind, name: &str) -> Result<()> {
             kind,
             name: name.to_owned(),
         })
+    }
+}
+
+/// Refuses `name` when one of `identifiers` (the name and those derived from it) is longer
+/// than PostgreSQL allows.
+fn check_length(
+    kind: TableKind,
+    name: &str,
+    identifiers: impl IntoIterator<Item = String>,
+) -> Result<()> {
+    let limit = OutboxTables::MAX_IDENTIFIER_BYTES;
+    match identifiers.into_iter().find(|id| id.len() > limit) {
+        Some(derived) => Err(Error::TableNameTooLong {
+            kind,
+            name: name.to_owned(),
+            length: derived.len(),
+            derived,
+            limit,
+        }),
+        None => Ok(()),
     }
 }
 
@@ -181,6 +231,56 @@ mod tests {
         // Outbox is checked first.
         let err = OutboxTables::new("bad-outbox", "bad-inbox").unwrap_err();
         assert!(err.to_string().contains("outbox table name \"bad-outbox\""));
+    }
+
+    #[test]
+    fn refuses_names_whose_derived_identifiers_exceed_63_bytes() {
+        // 57: `<outbox>_wakeup` is 64 bytes (every enqueue's NOTIFY would fail).
+        let err = OutboxTables::new("a".repeat(57), "inbox").unwrap_err();
+        let wakeup = format!("{}_wakeup", "a".repeat(57));
+        assert!(
+            matches!(
+                &err,
+                Error::TableNameTooLong { kind: TableKind::Outbox, derived, length: 64, limit: 63, .. }
+                    if *derived == wakeup
+            ),
+            "{err:?}"
+        );
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "SQL outbox table name \"{}\" is too long: the identifier \"{wakeup}\" derived from it is 64 bytes, over PostgreSQL's limit of 63 bytes",
+                "a".repeat(57)
+            )
+        );
+        // 62: `_due_idx` and `_claim_idx` would be truncated to the same name.
+        let err = OutboxTables::new("b".repeat(62), "inbox").unwrap_err();
+        assert!(
+            matches!(&err, Error::TableNameTooLong { length: 69, .. }),
+            "{err:?}"
+        );
+        // 54: `<outbox>_claim_idx` is 64 bytes.
+        let err = OutboxTables::new("c".repeat(54), "inbox").unwrap_err();
+        assert!(err.to_string().contains("_claim_idx"), "{err}");
+        assert!(!err.is_retryable());
+        // 53 fits every derived identifier.
+        OutboxTables::new("d".repeat(53), "e".repeat(63)).unwrap();
+        // The inbox has no derived identifiers, but its own name must fit.
+        let err = OutboxTables::new("outbox", "i".repeat(64)).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                Error::TableNameTooLong {
+                    kind: TableKind::Inbox,
+                    length: 64,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        // Upstream's identifier rule is checked first, with upstream's message.
+        let err = OutboxTables::new(format!("{}-x", "a".repeat(70)), "inbox").unwrap_err();
+        assert!(matches!(err, Error::InvalidTableName { .. }));
     }
 
     #[test]

@@ -270,7 +270,7 @@ impl OutboxRepository for MemoryOutboxRepository {
                     id: row.message.id.clone(),
                     reason: reason.clone(),
                 }),
-                None => claim.messages.push(row.message.clone()),
+                None => claim.push_message(row.message.clone()),
             }
         }
         Ok(claim)

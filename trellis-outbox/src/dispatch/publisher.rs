@@ -3,6 +3,7 @@
 use std::error::Error as StdError;
 use std::fmt;
 use std::future::Future;
+use std::time::Duration;
 
 use crate::dispatch::retry::RetryPolicy;
 use crate::record::OutboxMessage;
@@ -109,11 +110,33 @@ pub trait Publisher: Send + Sync + 'static {
     }
 
     /// The longest [`publish_batch`](Self::publish_batch) of `rows` messages may take (its
-    /// timeouts added up), if the publisher bounds it. The dispatcher refuses a lease shorter
-    /// than the budget of a full batch, and extends a batch's lease before publishing it when
-    /// less than the budget is left. The default, `None`, means unknown: the dispatcher then
-    /// keeps at least a third of the lease in hand instead.
-    fn publish_budget(&self, rows: usize) -> Option<std::time::Duration> {
+    /// timeouts added up), if the publisher bounds it. The dispatcher refuses a lease not
+    /// longer than the budget of a full batch, and extends a batch's lease before publishing
+    /// it when less than the budget is left. The default, `None`, means unknown: the
+    /// dispatcher then keeps at least a third of the lease in hand instead.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use trellis_outbox::{OutboxMessage, PublishError, Publisher};
+    ///
+    /// struct OneSecondEach;
+    ///
+    /// impl Publisher for OneSecondEach {
+    ///     async fn publish_batch(
+    ///         &self,
+    ///         messages: &[OutboxMessage],
+    ///     ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
+    ///         messages.iter().map(|_| Ok(None)).collect()
+    ///     }
+    ///
+    ///     fn publish_budget(&self, rows: usize) -> Option<Duration> {
+    ///         Some(Duration::from_secs(1).saturating_mul(u32::try_from(rows).unwrap_or(u32::MAX)))
+    ///     }
+    /// }
+    ///
+    /// assert_eq!(OneSecondEach.publish_budget(3), Some(Duration::from_secs(3)));
+    /// ```
+    fn publish_budget(&self, rows: usize) -> Option<Duration> {
         let _ = rows;
         None
     }

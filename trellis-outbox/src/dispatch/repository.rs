@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::record::OutboxMessage;
 
 /// A row a claim returned that could not be decoded (unknown kind or state, malformed
@@ -62,6 +62,8 @@ impl Claim {
 
     /// Adds claimed rows (decoded, or poisoned with their id), and puts the messages in
     /// dispatch order: `RETURNING` does not keep the claim subquery's order.
+    ///
+    /// Every decoded row also passes [`Claim::push_message`]'s wire check.
     pub(crate) fn extend<R>(
         &mut self,
         rows: &[R],
@@ -70,7 +72,7 @@ impl Claim {
     ) {
         for row in rows {
             match decode(row) {
-                Ok(message) => self.messages.push(message),
+                Ok(message) => self.push_message(message),
                 Err(error) => self.poisoned.push(PoisonRow {
                     id: id(row).unwrap_or_default(),
                     reason: error.to_string(),
@@ -79,6 +81,28 @@ impl Claim {
         }
         self.messages
             .sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+    }
+
+    /// Adds one decoded row: to [`Claim::messages`] if it may be sent to NATS, otherwise to
+    /// [`Claim::poisoned`] with the reason, whatever its kind. A row whose id (sent as
+    /// `Nats-Msg-Id`) holds a control character, whose header name or value could not be
+    /// sent (a CR/LF in a value would end the header block), that carries a NATS control
+    /// header such as `Nats-Rollup`, or whose subject is not a literal subject outside the
+    /// server's control plane (`$JS.…`, `$KV.…`, `_INBOX.…`) is exactly what enqueue refuses;
+    /// written by another writer, it goes dead after one attempt instead of failing its batch.
+    pub(crate) fn push_message(&mut self, message: OutboxMessage) {
+        match crate::wire::message_problem(&message.id, &message.subject, &message.headers) {
+            None => self.messages.push(message),
+            Some(problem) => self.poisoned.push(PoisonRow {
+                reason: Error::decode(
+                    &message.id,
+                    problem.field.as_str(),
+                    format!("{}; the row cannot be published", problem.problem),
+                )
+                .to_string(),
+                id: message.id,
+            }),
+        }
     }
 }
 

@@ -229,7 +229,7 @@ impl SqliteOutboxRepository {
         // A row deleted by hand since the claim is simply not there any more.
         for row in &rows {
             match crate::sqlite::decode(row) {
-                Ok(message) => claim.messages.push(message),
+                Ok(message) => claim.push_message(message),
                 Err(error) => claim.poisoned.push(PoisonRow {
                     id: row.try_get(0).unwrap_or_default(),
                     reason: error.to_string(),
@@ -292,7 +292,7 @@ impl OutboxRepository for SqliteOutboxRepository {
         let mut unread = Vec::new();
         for row in &rows {
             match decode_claimed(row) {
-                Ok(Some(message)) => claim.messages.push(message),
+                Ok(Some(message)) => claim.push_message(message),
                 // decode_claimed read the id before answering None.
                 Ok(None) => unread.push(row.try_get::<String, _>(0).unwrap_or_default()),
                 Err(error) => claim.poisoned.push(PoisonRow {

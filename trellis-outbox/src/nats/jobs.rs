@@ -317,16 +317,32 @@ pub(crate) fn created_event(
     let bytes = serde_json::to_vec(&body)
         .map_err(|e| malformed(message, format!("the event cannot be encoded: {e}")))?;
     let mut headers = async_nats::HeaderMap::new();
-    headers.insert(REQUEST_ID, parts.request_id);
-    headers.insert(TRACEPARENT, parts.traceparent);
-    if let Some(tracestate) = parts.tracestate {
-        headers.insert(TRACESTATE, tracestate);
+    let msg_id = format!("trellis-job-created:{}", parts.submission_id);
+    let values = [
+        (REQUEST_ID, Some(parts.request_id)),
+        (TRACEPARENT, Some(parts.traceparent)),
+        (TRACESTATE, parts.tracestate),
+        (NATS_MSG_ID, Some(msg_id.as_str())),
+    ];
+    for (name, value) in values {
+        if let Some(value) = value {
+            let value = header_value(value).map_err(|problem| {
+                malformed(message, format!("the `{name}` header value {problem}"))
+            })?;
+            headers.insert(name, value);
+        }
     }
-    headers.insert(
-        NATS_MSG_ID,
-        format!("trellis-job-created:{}", parts.submission_id).as_str(),
-    );
     Ok((bytes, headers))
+}
+
+/// A header value, refused (never a panic) when NATS cannot carry it.
+fn header_value(value: &str) -> Result<async_nats::HeaderValue, String> {
+    if value.contains(char::is_control) {
+        return Err(format!("{value:?} contains a control character"));
+    }
+    value
+        .parse()
+        .map_err(|e: async_nats::header::ParseHeaderValueError| e.to_string())
 }
 
 fn malformed(message: &OutboxMessage, problem: impl Into<String>) -> PublishError {
@@ -607,6 +623,40 @@ mod tests {
         row.headers.insert(TRACEPARENT.into(), "garbage".into());
         let err = created_event(&row, &settings).unwrap_err();
         assert!(err.chain().contains("not a valid W3C traceparent"));
+    }
+
+    /// These rows made `HeaderMap::insert` panic before.
+    #[test]
+    fn unsendable_job_headers_are_permanent_errors_not_panics() {
+        let settings = CreatedEventSettings::new(5);
+        let ok = || {
+            job_row(
+                r#"{"jobId":"01JOB","submissionId":"01SUB"}"#,
+                "trellis.jobs.billing.sync.01JOB.created",
+            )
+        };
+        for (name, value) in [
+            (REQUEST_ID, "01REQ\r\nNats-Rollup: all"),
+            (TRACESTATE, "a=b\nc"),
+            (REQUEST_ID, "01\0REQ"),
+        ] {
+            let mut row = ok();
+            row.headers.insert(name.into(), value.into());
+            let err = created_event(&row, &settings).unwrap_err();
+            assert!(!err.is_retryable());
+            assert!(
+                err.chain().contains(&format!("the `{name}` header value")),
+                "{}",
+                err.chain()
+            );
+        }
+        let mut row = job_row(
+            r#"{"jobId":"01JOB","submissionId":"01\r\nSUB"}"#,
+            "trellis.jobs.billing.sync.01JOB.created",
+        );
+        row.id = "01\r\nSUB".into();
+        let err = created_event(&row, &settings).unwrap_err();
+        assert!(err.chain().contains("Nats-Msg-Id"), "{}", err.chain());
     }
 
     #[test]

@@ -21,6 +21,8 @@ use crate::subject::subject_problem;
 pub const DEFAULT_ACK_WINDOW: usize = 256;
 /// Default for [`JetStreamPublisherBuilder::ack_timeout`].
 pub const DEFAULT_ACK_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default for [`JetStreamPublisherBuilder::job_dispatch_timeout`].
+pub const DEFAULT_JOB_DISPATCH_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default `maxTries` of the job `created` event when no per-queue value is configured
 /// (see [`JetStreamPublisherBuilder::job_max_tries`]).
 pub const DEFAULT_JOB_MAX_TRIES: u64 = 5;
@@ -89,6 +91,8 @@ pub struct JetStreamPublisher<D = NoJobDispatcher> {
     context: async_nats::jetstream::Context,
     window: usize,
     ack_timeout: Duration,
+    job_dispatch_timeout: Duration,
+    allowed_prefixes: Option<Vec<String>>,
     jobs: JobRoute<D>,
     startup_subjects: Vec<String>,
 }
@@ -103,6 +107,8 @@ impl<D> fmt::Debug for JetStreamPublisher<D> {
         f.debug_struct("JetStreamPublisher")
             .field("window", &self.window)
             .field("ack_timeout", &self.ack_timeout)
+            .field("job_dispatch_timeout", &self.job_dispatch_timeout)
+            .field("allowed_prefixes", &self.allowed_prefixes)
             .field("jobs", &jobs)
             .finish_non_exhaustive()
     }
@@ -113,6 +119,8 @@ pub struct JetStreamPublisherBuilder<D = NoJobDispatcher> {
     context: async_nats::jetstream::Context,
     window: usize,
     ack_timeout: Duration,
+    job_dispatch_timeout: Duration,
+    allowed_prefixes: Option<Vec<String>>,
     created: CreatedEventSettings,
     jobs: BuilderJobs<D>,
     startup_subjects: Vec<String>,
@@ -154,6 +162,8 @@ impl JetStreamPublisher {
             context,
             window: DEFAULT_ACK_WINDOW,
             ack_timeout: DEFAULT_ACK_TIMEOUT,
+            job_dispatch_timeout: DEFAULT_JOB_DISPATCH_TIMEOUT,
+            allowed_prefixes: None,
             created: CreatedEventSettings::new(DEFAULT_JOB_MAX_TRIES),
             jobs: BuilderJobs::CreatedEvent,
             startup_subjects: Vec::new(),
@@ -165,6 +175,8 @@ impl<D: JobDispatcher> JetStreamPublisherBuilder<D> {
     /// How many publishes may await their acknowledgement at once (at least 1; default
     /// [`DEFAULT_ACK_WINDOW`]). Larger windows are faster (limits.md: 256 in flight ≈ 125k
     /// msg/s with `Nats-Msg-Id` vs ≈ 9k one at a time) and hold more unacknowledged rows.
+    /// Memory is bounded by the batch, not the window: `ack_window(usize::MAX)` allocates
+    /// for at most the rows of one batch.
     pub fn ack_window(mut self, window: usize) -> Self {
         self.window = window.max(1);
         self
@@ -173,8 +185,46 @@ impl<D: JobDispatcher> JetStreamPublisherBuilder<D> {
     /// How long after sending a publish its acknowledgement may take before the row fails
     /// (retryably) as timed out. Default [`DEFAULT_ACK_TIMEOUT`]; the context's own timeout
     /// also applies.
+    ///
+    /// Any value is accepted and none panics: a timeout whose deadline cannot be represented
+    /// (e.g. `Duration::MAX`) means "no deadline of this publisher's own" (the context's
+    /// timeout still applies), and [`publish_budget`](JetStreamPublisher::publish_budget)
+    /// then saturates at `Duration::MAX`, which no dispatcher lease can cover.
     pub fn ack_timeout(mut self, timeout: Duration) -> Self {
         self.ack_timeout = timeout;
+        self
+    }
+
+    /// How long a [`JobDispatcher`] may take to decide on one job row before the row fails
+    /// (retryably) with [`JobDispatchTimedOut`](super::JetStreamErrorKind::JobDispatchTimedOut).
+    /// Default [`DEFAULT_JOB_DISPATCH_TIMEOUT`]. Calls are made one row at a time, so a batch
+    /// of `n` job rows can take up to `n` times this; see
+    /// [`publish_budget`](JetStreamPublisher::publish_budget).
+    pub fn job_dispatch_timeout(mut self, timeout: Duration) -> Self {
+        self.job_dispatch_timeout = timeout;
+        self
+    }
+
+    /// Restricts the subjects rows may be published to: a row (event or job) whose subject
+    /// starts with none of `prefixes` fails permanently (it goes `dead`) with
+    /// [`SubjectNotAllowed`](super::JetStreamErrorKind::SubjectNotAllowed), and nothing is
+    /// sent. Prefixes are plain string prefixes, so end them with `.` to match whole tokens.
+    /// Default: every subject that enqueue accepts (never `$…` or `_INBOX.…`, whatever the
+    /// prefixes). Calling it again replaces the list; an empty list refuses every row.
+    ///
+    /// ```no_run
+    /// # fn run(context: async_nats::jetstream::Context) {
+    /// let publisher = trellis_outbox::JetStreamPublisher::builder(context)
+    ///     .allow_subject_prefixes(["events.", "trellis.jobs."])
+    ///     .build();
+    /// # }
+    /// ```
+    pub fn allow_subject_prefixes<I>(mut self, prefixes: I) -> Self
+    where
+        I: IntoIterator,
+        I::Item: Into<String>,
+    {
+        self.allowed_prefixes = Some(prefixes.into_iter().map(Into::into).collect());
         self
     }
 
@@ -227,6 +277,8 @@ impl<D: JobDispatcher> JetStreamPublisherBuilder<D> {
             context: self.context,
             window: self.window,
             ack_timeout: self.ack_timeout,
+            job_dispatch_timeout: self.job_dispatch_timeout,
+            allowed_prefixes: self.allowed_prefixes,
             created: self.created,
             jobs: BuilderJobs::Dispatcher(dispatcher),
             startup_subjects: self.startup_subjects,
@@ -274,6 +326,8 @@ impl<D: JobDispatcher> JetStreamPublisherBuilder<D> {
             context: self.context,
             window: self.window,
             ack_timeout: self.ack_timeout,
+            job_dispatch_timeout: self.job_dispatch_timeout,
+            allowed_prefixes: self.allowed_prefixes,
             jobs: match self.jobs {
                 BuilderJobs::CreatedEvent => JobRoute::CreatedEvent(self.created),
                 BuilderJobs::Dispatcher(dispatcher) => JobRoute::Dispatcher(dispatcher),
@@ -299,6 +353,37 @@ impl<D: JobDispatcher> JetStreamPublisher<D> {
     /// The JetStream context publishes go through.
     pub fn context(&self) -> &async_nats::jetstream::Context {
         &self.context
+    }
+
+    /// The longest [`publish_batch`](Publisher::publish_batch) of `rows` rows may take: the
+    /// ack timeout once per window of rows (`ack_timeout × ceil(rows / ack_window)`: a window
+    /// is awaited before the next one is sent), plus, when job rows go through a
+    /// [`JobDispatcher`], `rows × job_dispatch_timeout` (every row could be a job, decided
+    /// one at a time). Saturates at `Duration::MAX`.
+    ///
+    /// ```no_run
+    /// # fn run(context: async_nats::jetstream::Context) {
+    /// use std::time::Duration;
+    ///
+    /// let publisher = trellis_outbox::JetStreamPublisher::builder(context)
+    ///     .ack_window(100)
+    ///     .ack_timeout(Duration::from_secs(2))
+    ///     .build();
+    /// assert_eq!(publisher.publish_budget(250), Duration::from_secs(6));
+    /// # }
+    /// ```
+    pub fn publish_budget(&self, rows: usize) -> Duration {
+        let windows = rows.div_ceil(self.window.max(1));
+        let acks = self
+            .ack_timeout
+            .saturating_mul(u32::try_from(windows).unwrap_or(u32::MAX));
+        match self.jobs {
+            JobRoute::Dispatcher(_) => acks.saturating_add(
+                self.job_dispatch_timeout
+                    .saturating_mul(u32::try_from(rows).unwrap_or(u32::MAX)),
+            ),
+            JobRoute::CreatedEvent(_) | JobRoute::Disabled => acks,
+        }
     }
 
     /// Checks, at start, that a stream captures each subject in `subjects`, and warns
@@ -442,21 +527,31 @@ impl<D: JobDispatcher> JetStreamPublisher<D> {
 
     /// Turns one row into a publish, or into its result when there is nothing to send.
     async fn prepare(&self, message: &OutboxMessage) -> Step {
+        if let Some(problem) = subject_problem(&message.subject) {
+            return Step::Done(Err(PublishError::permanent(
+                JetStreamError::new(JetStreamErrorKind::InvalidSubject, message).detail(problem),
+            )));
+        }
+        if let Some(prefixes) = &self.allowed_prefixes
+            && !prefixes
+                .iter()
+                .any(|p| message.subject.starts_with(p.as_str()))
+        {
+            return Step::Done(Err(PublishError::permanent(
+                JetStreamError::new(JetStreamErrorKind::SubjectNotAllowed, message)
+                    .detail(format!("allowed prefixes: {}", quoted(prefixes))),
+            )));
+        }
         match message.kind {
-            OutboxRecordKind::EventPublish => {
-                if let Some(problem) = subject_problem(&message.subject) {
-                    return Step::Done(Err(PublishError::permanent(
-                        JetStreamError::new(JetStreamErrorKind::InvalidSubject, message)
-                            .detail(problem),
-                    )));
-                }
-                Step::Send(Outgoing {
+            OutboxRecordKind::EventPublish => match message.publish_headers() {
+                Ok(headers) => Step::Send(Outgoing {
                     subject: message.subject.clone(),
                     publish: Publish::build()
                         .payload(message.payload.clone().into())
-                        .headers(message.publish_headers()),
-                })
-            }
+                        .headers(headers),
+                }),
+                Err(err) => Step::Done(Err(PublishError::permanent(err))),
+            },
             OutboxRecordKind::JobCreate | OutboxRecordKind::JobSubmit => match &self.jobs {
                 JobRoute::CreatedEvent(settings) => match created_event(message, settings) {
                     Ok((body, headers)) => Step::Send(Outgoing {
@@ -465,18 +560,29 @@ impl<D: JobDispatcher> JetStreamPublisher<D> {
                     }),
                     Err(err) => Step::Done(Err(err)),
                 },
-                JobRoute::Dispatcher(dispatcher) => {
-                    Step::Done(match dispatcher.dispatch_job(message).await {
-                        Ok(admission) => serde_json::to_value(&admission).map(Some).map_err(|e| {
-                            PublishError::permanent(
-                                JetStreamError::new(JetStreamErrorKind::Other, message)
-                                    .detail("the job admission outcome cannot be encoded")
-                                    .source(e),
-                            )
-                        }),
-                        Err(err) => Err(err),
-                    })
-                }
+                JobRoute::Dispatcher(dispatcher) => Step::Done(
+                    match tokio::time::timeout(
+                        self.job_dispatch_timeout,
+                        dispatcher.dispatch_job(message),
+                    )
+                    .await
+                    {
+                        Ok(Ok(admission)) => {
+                            serde_json::to_value(&admission).map(Some).map_err(|e| {
+                                PublishError::permanent(
+                                    JetStreamError::new(JetStreamErrorKind::Other, message)
+                                        .detail("the job admission outcome cannot be encoded")
+                                        .source(e),
+                                )
+                            })
+                        }
+                        Ok(Err(err)) => Err(err),
+                        Err(_elapsed) => Err(PublishError::retryable(
+                            JetStreamError::new(JetStreamErrorKind::JobDispatchTimedOut, message)
+                                .detail(format!("{:?}", self.job_dispatch_timeout)),
+                        )),
+                    },
+                ),
                 JobRoute::Disabled => Step::Done(Err(PublishError::retryable(
                     JetStreamError::new(JetStreamErrorKind::NoJobDispatch, message),
                 ))),
@@ -490,7 +596,13 @@ impl<D: JobDispatcher> JetStreamPublisher<D> {
         sent: Instant,
         ack: PublishAckFuture,
     ) -> Result<Option<serde_json::Value>, PublishError> {
-        match tokio::time::timeout_at(sent + self.ack_timeout, ack.into_future()).await {
+        // A deadline past what `Instant` can hold (e.g. `ack_timeout(Duration::MAX)`) is no
+        // deadline: the context's own ack timeout still ends the wait.
+        let acked = match sent.checked_add(self.ack_timeout) {
+            Some(deadline) => tokio::time::timeout_at(deadline, ack.into_future()).await,
+            None => Ok(ack.into_future().await),
+        };
+        match acked {
             Ok(Ok(ack)) => {
                 if ack.duplicate {
                     tracing::debug!(
@@ -517,6 +629,10 @@ impl<D: JobDispatcher> Publisher for JetStreamPublisher<D> {
         messages: &[OutboxMessage],
     ) -> impl std::future::Future<Output = BatchResult> + Send {
         self.publish_all(messages)
+    }
+
+    fn publish_budget(&self, rows: usize) -> Option<Duration> {
+        Some(JetStreamPublisher::publish_budget(self, rows))
     }
 
     async fn on_start(&self, retry_policy: &RetryPolicy) {
