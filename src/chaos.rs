@@ -19,6 +19,7 @@
 //! injected.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::Future;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -28,7 +29,7 @@ use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
 use serde_json::Value;
 use tokio::sync::watch;
-use trellis_outbox::{OutboxMessage, PublishError, Publisher};
+use trellis_outbox::{OutboxMessage, PublishError, Publisher, RetryPolicy};
 
 /// How often each fault is injected. Probabilities are in `0.0..=1.0`.
 #[derive(Debug, Clone)]
@@ -400,6 +401,10 @@ fn injected(what: &str) -> PublishError {
 }
 
 impl<P: Publisher> Publisher for ChaosPublisher<P> {
+    fn on_start(&self, retry_policy: &RetryPolicy) -> impl Future<Output = ()> + Send {
+        self.inner.on_start(retry_policy)
+    }
+
     async fn publish_batch(
         &self,
         messages: &[OutboxMessage],
