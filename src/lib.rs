@@ -4,6 +4,7 @@
 //! `NATS_URL` (default `nats://127.0.0.1:4222`). A service that cannot be reached fails the
 //! test with a message saying how to start it: nothing silently passes.
 
+pub mod chaos;
 pub mod nats;
 pub mod nats_server;
 pub mod publisher;

@@ -39,6 +39,23 @@ pub async fn jetstream() -> Context {
     js
 }
 
+/// A JetStream context on `url` that reconnects forever, every 100 ms: for a private
+/// [`NatsServer`](crate::nats_server::NatsServer) a test stops and restarts.
+///
+/// # Panics
+///
+/// If the server cannot be reached at first.
+pub async fn connect_reconnecting(url: &str) -> Context {
+    let client = async_nats::ConnectOptions::new()
+        .connection_timeout(Duration::from_secs(2))
+        .max_reconnects(None)
+        .reconnect_delay_callback(|_| Duration::from_millis(100))
+        .connect(url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach the test's own nats-server at {url}: {e}"));
+    async_nats::jetstream::new(client)
+}
+
 /// A uniquely named stream for one test.
 #[derive(Debug, Clone)]
 pub struct TestStream {
@@ -69,12 +86,26 @@ impl TestStream {
     ///
     /// If the stream cannot be created.
     pub async fn create(context: &Context, configure: impl FnOnce(&str) -> Config) -> Self {
+        Self::create_stored(context, StorageType::Memory, configure).await
+    }
+
+    /// Like [`TestStream::create`], with file storage: the stream and its messages survive a
+    /// restart of the server (see [`NatsServer`](crate::nats_server::NatsServer)).
+    pub async fn create_file(context: &Context, configure: impl FnOnce(&str) -> Config) -> Self {
+        Self::create_stored(context, StorageType::File, configure).await
+    }
+
+    async fn create_stored(
+        context: &Context,
+        storage: StorageType,
+        configure: impl FnOnce(&str) -> Config,
+    ) -> Self {
         let ulid = ulid::Ulid::generate().to_string();
         let token = format!("t{}", ulid.to_lowercase());
         let name = format!("TRELLIS_T_{ulid}");
         let config = Config {
             name: name.clone(),
-            storage: StorageType::Memory,
+            storage,
             ..configure(&token)
         };
         context
