@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::dispatch::publisher::{PublishError, Publisher};
-use crate::dispatch::repository::{Claim, Dispatched, OutboxRepository};
+use crate::dispatch::repository::{Claim, Dispatched, OutboxRepository, PoisonRow, RetryOutcome};
 use crate::dispatch::retry::{MIN_RETRY_DELAY, RetryPolicy};
 use crate::error::{Error, Result};
 use crate::record::OutboxMessage;
@@ -766,8 +766,12 @@ impl<R: OutboxRepository> OutboxRepository for Arc<R> {
         (**self).release(claim, ids)
     }
 
-    fn retry(&self, id: &str) -> impl Future<Output = Result<bool>> + Send {
+    fn retry(&self, id: &str) -> impl Future<Output = Result<RetryOutcome>> + Send {
         (**self).retry(id)
+    }
+
+    fn sweep_unfinishable(&self) -> impl Future<Output = Result<Vec<PoisonRow>>> + Send {
+        (**self).sweep_unfinishable()
     }
 
     fn next_due_in(&self) -> impl Future<Output = Result<Option<Duration>>> + Send {
@@ -1230,6 +1234,29 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
                     });
                 },
             }
+        }
+        // Rows no claim can finish (unknown state, NULL id) go dead, each reported once.
+        match CatchUnwind(pin!(self.repo.sweep_unfinishable())).await {
+            Ok(Ok(rows)) => rows.into_iter().for_each(|PoisonRow { id, reason, .. }| {
+                report_error(
+                    self.on_error.as_deref(),
+                    &DispatchError::Poisoned { id, reason },
+                );
+            }),
+            Ok(Err(source)) => report_error(
+                self.on_error.as_deref(),
+                &DispatchError::Repository {
+                    operation: "sweep unfinishable rows",
+                    source,
+                },
+            ),
+            Err(panic) => report_error(
+                self.on_error.as_deref(),
+                &DispatchError::Panicked {
+                    what: "repository",
+                    message: panic_message(&*panic),
+                },
+            ),
         }
         // Consecutive failed drains (repository errors): drives the backoff.
         let mut errors: u32 = 0;
