@@ -1,5 +1,7 @@
 //! The `trellis-outbox` command-line tool.
 
+use trellis_outbox_tests::{TestPg, TestSqlite};
+
 fn run(args: &[&str]) -> Result<String, String> {
     let mut out = Vec::new();
     let argv = std::iter::once("trellis-outbox").chain(args.iter().copied());
@@ -35,9 +37,89 @@ fn honours_custom_tables_and_down() {
     ])
     .unwrap();
     assert!(sql.contains("DROP TABLE IF EXISTS service_outbox;"));
-    assert!(sql.starts_with(
+    assert!(sql.contains(
         "-- trellis_sql_outbox_inbox_sqlite_v1 (down), version 1, fnv1a64:d10ccc8ff04a835d\n"
     ));
+    let one = run(&["sql", "--dialect", "sqlite", "--down", "--version", "1"]).unwrap();
+    assert!(one.starts_with("-- trellis_sql_outbox_inbox_sqlite_v1 (down)"));
+    assert!(!one.contains("_v2"));
+}
+
+/// The versions' headers in the order printed.
+fn versions(sql: &str) -> Vec<u32> {
+    sql.lines()
+        .filter_map(|l| l.split(", version ").nth(1))
+        .map(|rest| rest.split(',').next().unwrap().parse().unwrap())
+        .collect()
+}
+
+// Issue #10 defect 11: `sql --down` printed v1's DROP TABLE before v2's ALTERs, so the
+// script failed. Down scripts run newest version first; up scripts oldest first.
+#[test]
+fn down_scripts_are_printed_newest_first() {
+    for dialect in ["postgres", "sqlite"] {
+        let up = run(&["sql", "--dialect", dialect]).unwrap();
+        let down = run(&["sql", "--dialect", dialect, "--down"]).unwrap();
+        assert_eq!(versions(&up), [1, 2, 3], "{dialect}");
+        assert_eq!(versions(&down), [3, 2, 1], "{dialect}");
+    }
+}
+
+async fn pg_relation_count(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_class WHERE relname IN ('trellis_outbox', 'trellis_inbox')",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+async fn sqlite_schema_count(pool: &sqlx::SqlitePool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM sqlite_master WHERE name LIKE 'trellis\\_%' ESCAPE '\\' AND name <> 'trellis_outbox_migrations'")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+// The printed scripts run as printed: up creates the tables, down removes them again.
+#[tokio::test]
+async fn printed_down_script_reverts_a_migrated_postgres_database() {
+    let db = TestPg::new().await;
+    trellis_outbox::migrate(&db.pool).await.unwrap();
+    assert_eq!(pg_relation_count(&db.pool).await, 2);
+    let down = run(&["sql", "--dialect", "postgres", "--down"]).unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(down))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(pg_relation_count(&db.pool).await, 0);
+    let up = run(&["sql", "--dialect", "postgres"]).unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(up))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(pg_relation_count(&db.pool).await, 2);
+    db.close().await;
+}
+
+#[tokio::test]
+async fn printed_down_script_reverts_a_migrated_sqlite_database() {
+    let db = TestSqlite::new().await;
+    trellis_outbox::migrate(&db.pool).await.unwrap();
+    // Tables, indexes and (v3) triggers.
+    assert!(sqlite_schema_count(&db.pool).await >= 6);
+    let down = run(&["sql", "--dialect", "sqlite", "--down"]).unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(down))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(sqlite_schema_count(&db.pool).await, 0);
+    let up = run(&["sql", "--dialect", "sqlite"]).unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(up))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert!(sqlite_schema_count(&db.pool).await >= 6);
 }
 
 #[test]

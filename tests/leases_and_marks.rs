@@ -222,7 +222,7 @@ impl OutboxRepository for Faulty {
         self.inner.release(claim, ids).await
     }
 
-    async fn retry(&self, id: &str) -> trellis_outbox::Result<bool> {
+    async fn retry(&self, id: &str) -> trellis_outbox::Result<trellis_outbox::RetryOutcome> {
         self.inner.retry(id).await
     }
 

@@ -76,6 +76,32 @@ fn v2_is_pinned_and_additive() {
     }
 }
 
+// Checksums computed independently (FNV-1a 64 over code points, in Python).
+#[test]
+fn v3_is_pinned() {
+    for (dialect, checksum) in [
+        (Dialect::Sqlite, "fnv1a64:400555a35cd3aaa2"),
+        (Dialect::Postgres, "fnv1a64:938b2cdf41071d22"),
+    ] {
+        let all = migrations(dialect, &OutboxTables::default());
+        assert_eq!(all.len(), 3);
+        let v3 = &all[2];
+        assert_eq!(v3.id, format!("trellis_sql_outbox_inbox_{dialect}_v3"));
+        assert_eq!(v3.version, 3);
+        assert_eq!(v3.checksum, checksum, "{dialect}");
+    }
+    let pg = &migrations(Dialect::Postgres, &OutboxTables::default())[2];
+    assert_eq!(
+        pg.up[1],
+        "ALTER TABLE trellis_outbox ADD CONSTRAINT trellis_outbox_state_ck CHECK (state IN \
+         ('pending', 'claimed', 'dispatched', 'failed', 'dead')) NOT VALID"
+    );
+    assert_eq!(
+        pg.down,
+        ["ALTER TABLE trellis_outbox DROP CONSTRAINT IF EXISTS trellis_outbox_state_ck"]
+    );
+}
+
 #[test]
 fn v1_sql_is_upstreams_text() {
     let m = &migrations(Dialect::Sqlite, &OutboxTables::default())[0];
@@ -168,8 +194,8 @@ fn script_is_pasteable() {
     ));
     assert_eq!(
         sql.matches(";\n").count(),
-        6,
-        "SQLite: 3 statements per version"
+        8,
+        "SQLite: 3 statements in v1 and v2, 2 in v3"
     );
 }
 
@@ -198,7 +224,8 @@ async fn pg_migrate_twice_is_a_no_op() {
         first.applied,
         [
             "trellis_sql_outbox_inbox_postgres_v1",
-            "trellis_sql_outbox_inbox_postgres_v2"
+            "trellis_sql_outbox_inbox_postgres_v2",
+            "trellis_sql_outbox_inbox_postgres_v3"
         ]
     );
     assert!(first.already_applied.is_empty());
@@ -230,7 +257,8 @@ async fn pg_migrate_twice_is_a_no_op() {
         second.already_applied,
         [
             "trellis_sql_outbox_inbox_postgres_v1",
-            "trellis_sql_outbox_inbox_postgres_v2"
+            "trellis_sql_outbox_inbox_postgres_v2",
+            "trellis_sql_outbox_inbox_postgres_v3"
         ]
     );
     let (id, checksum): (String, String) = sqlx::query_as(
@@ -252,7 +280,8 @@ async fn sqlite_migrate_twice_is_a_no_op() {
         first.applied,
         [
             "trellis_sql_outbox_inbox_sqlite_v1",
-            "trellis_sql_outbox_inbox_sqlite_v2"
+            "trellis_sql_outbox_inbox_sqlite_v2",
+            "trellis_sql_outbox_inbox_sqlite_v3"
         ]
     );
     for table in [
@@ -272,7 +301,8 @@ async fn sqlite_migrate_twice_is_a_no_op() {
         second.already_applied,
         [
             "trellis_sql_outbox_inbox_sqlite_v1",
-            "trellis_sql_outbox_inbox_sqlite_v2"
+            "trellis_sql_outbox_inbox_sqlite_v2",
+            "trellis_sql_outbox_inbox_sqlite_v3"
         ]
     );
 }
@@ -328,12 +358,12 @@ async fn pg_concurrent_migrations_apply_once() {
     let db = TestPg::new().await;
     let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
     let applied: usize = reports.into_iter().map(|r| r.unwrap().applied.len()).sum();
-    assert_eq!(applied, 2, "each version applied by exactly one caller");
+    assert_eq!(applied, 3, "each version applied by exactly one caller");
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox_migrations")
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    assert_eq!(rows, 2, "one bookkeeping row per version");
+    assert_eq!(rows, 3, "one bookkeeping row per version");
     db.close().await;
 }
 
@@ -342,19 +372,19 @@ async fn sqlite_concurrent_migrations_apply_once() {
     let db = TestSqlite::new().await;
     let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
     let applied: usize = reports.into_iter().map(|r| r.unwrap().applied.len()).sum();
-    assert_eq!(applied, 2, "each version applied by exactly one caller");
+    assert_eq!(applied, 3, "each version applied by exactly one caller");
 }
 
 #[tokio::test]
 async fn pg_custom_tables_are_separate_and_default_ones_untouched() {
     let db = TestPg::new().await;
     let report = migrate_with(&db.pool, &service_tables()).await.unwrap();
-    assert_eq!(report.applied.len(), 2);
+    assert_eq!(report.applied.len(), 3);
     assert!(pg_table_exists(&db.pool, "service_outbox").await);
     assert!(pg_table_exists(&db.pool, "service_inbox").await);
     assert!(!pg_table_exists(&db.pool, "trellis_outbox").await);
     // The default tables are migrated independently in the same database.
-    assert_eq!(migrate(&db.pool).await.unwrap().applied.len(), 2);
+    assert_eq!(migrate(&db.pool).await.unwrap().applied.len(), 3);
     assert!(pg_table_exists(&db.pool, "trellis_outbox").await);
     db.close().await;
 }
@@ -379,7 +409,8 @@ async fn sqlite_adopts_a_table_created_by_trellis_ts() {
         report.applied,
         [
             "trellis_sql_outbox_inbox_sqlite_v1",
-            "trellis_sql_outbox_inbox_sqlite_v2"
+            "trellis_sql_outbox_inbox_sqlite_v2",
+            "trellis_sql_outbox_inbox_sqlite_v3"
         ]
     );
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox")

@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::json;
 use trellis_outbox::{
     Dispatched, Failure, OutboxRepository, OutboxTransactionExt, PgOutboxRepository,
-    PreparedOutboxRecord, SqliteOutboxRepository, migrate,
+    PreparedOutboxRecord, RetryOutcome, SqliteOutboxRepository, migrate,
 };
 use trellis_outbox_tests::{TestPg, TestSqlite};
 
@@ -325,13 +325,146 @@ async fn poison_rows_are_reported_not_fatal(db: &impl Db, bad_headers: &str) {
     assert_eq!(repo.next_due_in().await.unwrap(), None);
 
     // An operator's retry brings a dead row back.
-    assert!(repo.retry("poison-kind").await.unwrap());
+    assert_eq!(
+        repo.retry("poison-kind").await.unwrap(),
+        RetryOutcome::Retried
+    );
     assert_eq!(db.row("poison-kind").await.0, "pending");
-    assert!(
-        !repo.retry("poison-kind").await.unwrap(),
+    assert_eq!(
+        repo.retry("poison-kind").await.unwrap(),
+        RetryOutcome::NotRetryable {
+            state: "pending".into()
+        },
         "only failed or dead rows"
     );
-    assert!(!repo.retry("no-such-row").await.unwrap());
+    assert_eq!(
+        repo.retry("no-such-row").await.unwrap(),
+        RetryOutcome::NotFound
+    );
+}
+
+/// Issue #10 defect 7: `retry` on a failed row that a dispatcher has claimed again used to
+/// reset it and clear its claim token, fencing out the holder's marks while another
+/// dispatcher could claim and publish the row. A row under a live lease is refused.
+async fn retry_refuses_a_row_under_a_live_lease(db: &impl Db) {
+    let (holder, operator, other) = (db.repo(), db.repo(), db.repo());
+    let rec = records(2);
+    db.enqueue(&rec).await;
+    let id = rec[0].id.as_str();
+    let first = holder.claim_due(1, LEASE, None).await.unwrap();
+    assert!(
+        holder
+            .mark_failed(&first, id, "boom", Duration::from_millis(1))
+            .await
+            .unwrap()
+    );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    // The dispatcher retries the failed row: claimed again, `failed`, under a live lease.
+    let claim = holder.claim_due(1, LEASE, None).await.unwrap();
+    assert_eq!(claim.messages[0].id, id);
+    assert_eq!(db.row(id).await.0, "failed");
+    match operator.retry(id).await.unwrap() {
+        RetryOutcome::Leased { until } => {
+            let left = until - chrono::Utc::now();
+            assert!(
+                left > chrono::TimeDelta::seconds(20) && left <= chrono::TimeDelta::seconds(31),
+                "lease ends in {left}"
+            );
+        }
+        other => panic!("expected Leased, got {other:?}"),
+    }
+    let (state, attempts, ..) = db.row(id).await;
+    assert_eq!((state.as_str(), attempts), ("failed", 1), "left alone");
+    // No other dispatcher can take it meanwhile, and the holder's mark lands.
+    let others = other.claim_due(10, LEASE, None).await.unwrap();
+    let ids: Vec<&str> = others.messages.iter().map(|m| m.id.as_str()).collect();
+    assert_eq!(ids, [rec[1].id.as_str()]);
+    assert!(holder.mark_dead(&claim, id, "gave up", true).await.unwrap());
+    assert_eq!(db.row(id).await.0, "dead");
+
+    // A dead row claimed by nobody is retried. So is a failed row whose lease expired.
+    assert_eq!(operator.retry(id).await.unwrap(), RetryOutcome::Retried);
+    let lapsed = holder
+        .claim_due(1, Duration::from_millis(300), None)
+        .await
+        .unwrap();
+    assert_eq!(lapsed.messages[0].id, id);
+    assert!(
+        holder
+            .mark_failed(&lapsed, id, "boom", Duration::from_millis(1))
+            .await
+            .unwrap()
+    );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let lapsed = holder
+        .claim_due(1, Duration::from_millis(300), None)
+        .await
+        .unwrap();
+    assert_eq!(lapsed.messages[0].id, id);
+    assert!(matches!(
+        operator.retry(id).await.unwrap(),
+        RetryOutcome::Leased { .. }
+    ));
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(operator.retry(id).await.unwrap(), RetryOutcome::Retried);
+    let (state, attempts, ..) = db.row(id).await;
+    assert_eq!((state.as_str(), attempts), ("pending", 0));
+    // The expired claim's token was cleared: its marks are fenced out.
+    assert!(
+        !holder
+            .mark_failed(&lapsed, id, "late", LEASE)
+            .await
+            .unwrap()
+    );
+
+    // Rows in other states say which state they are in.
+    assert_eq!(
+        other
+            .mark_dispatched(&others, &[Dispatched::new(&rec[1].id)])
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        operator.retry(&rec[1].id).await.unwrap(),
+        RetryOutcome::NotRetryable {
+            state: "dispatched".into()
+        }
+    );
+    assert_eq!(
+        operator.retry("missing").await.unwrap(),
+        RetryOutcome::NotFound
+    );
+}
+
+/// Issue #10 defect 11: a lease or retry delay too long for the database's interval and
+/// time types (`Duration::MAX`) used to fail the statement (Postgres `make_interval`) or
+/// store NULL (SQLite), making the row claimable at once. It is stored as "far future".
+async fn huge_leases_and_delays_mean_far_future(db: &impl Db) {
+    let repo = db.repo();
+    let rec = records(2);
+    db.enqueue(&rec).await;
+    let claim = repo.claim_due(1, Duration::MAX, None).await.unwrap();
+    assert_eq!(claim.messages[0].id, rec[0].id);
+    assert!(
+        repo.mark_failed(&claim, &rec[0].id, "boom", Duration::MAX)
+            .await
+            .unwrap()
+    );
+    let leased = repo.claim_due(1, Duration::MAX, None).await.unwrap();
+    assert_eq!(leased.messages[0].id, rec[1].id);
+    // Neither row is claimable again: one is due in ~100 years, one leased as long.
+    assert!(repo.claim_due(10, LEASE, None).await.unwrap().is_empty());
+    let due_in = repo.next_due_in().await.unwrap().unwrap();
+    assert!(
+        due_in > Duration::from_secs(50 * 365 * 86_400),
+        "next due in {due_in:?}"
+    );
+    let (state, attempts, last_error, _) = db.row(&rec[0].id).await;
+    assert_eq!(
+        (state.as_str(), attempts, last_error.as_deref()),
+        ("failed", 1, Some("boom"))
+    );
 }
 
 async fn release_makes_rows_claimable_at_once(db: &impl Db) {
@@ -440,6 +573,8 @@ both!(a_drain_wave_does_not_retry_its_own_failures);
 both!(poison_rows_are_reported_not_fatal, "[1, 2]", "not json");
 both!(release_makes_rows_claimable_at_once);
 both!(leases_extend_and_failures_mark_in_one_call);
+both!(retry_refuses_a_row_under_a_live_lease);
+both!(huge_leases_and_delays_mean_far_future);
 
 /// A claim on SQLite returns most columns packed into one JSON value: every column must come
 /// back exactly, whatever characters it holds.
@@ -572,4 +707,84 @@ async fn sqlite_claims_with_varying_batch_sizes() {
     }
     let expected: Vec<String> = rec.into_iter().map(|r| r.id).collect();
     assert_eq!(seen, expected);
+}
+
+/// Issue #10 defect 10: Postgres SQLSTATE 42501 (insufficient privilege) was read as an
+/// SQLite code (42501 & 0xff = 5, BUSY) and called retryable.
+#[tokio::test]
+async fn postgres_permission_error_is_not_retryable() {
+    let db = pg().await;
+    let role = format!("{}_noperm", db.name);
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE ROLE {role} NOLOGIN")))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    // One connection, switched to the role that may not touch the outbox.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(db.options.clone())
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("SET ROLE {role}")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let err = PgOutboxRepository::new(pool.clone())
+        .claim_due(10, LEASE, None)
+        .await
+        .unwrap_err();
+    pool.close().await;
+    let code = match &err {
+        trellis_outbox::Error::Repository {
+            source: sqlx::Error::Database(db_err),
+            ..
+        } => db_err.code().map(|c| c.into_owned()),
+        other => panic!("expected a database error, got {other:?}"),
+    };
+    assert_eq!(code.as_deref(), Some("42501"));
+    assert!(!err.is_retryable(), "{err:?}");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP ROLE {role}")))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    db.close().await;
+}
+
+/// A real SQLite BUSY (another connection holds the write lock, no busy timeout) is
+/// retryable.
+#[tokio::test]
+async fn sqlite_busy_is_retryable() {
+    let db = sqlite().await;
+    db.enqueue(&records(1)).await;
+    let mut blocker = db.pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
+    sqlx::query("UPDATE trellis_outbox SET attempts = attempts")
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let impatient = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(
+            sqlx::sqlite::SqliteConnectOptions::new()
+                .filename(&db.path)
+                .busy_timeout(Duration::ZERO),
+        )
+        .await
+        .unwrap();
+    let err = SqliteOutboxRepository::new(impatient)
+        .claim_due(10, LEASE, None)
+        .await
+        .unwrap_err();
+    blocker.rollback().await.unwrap();
+    let code = match &err {
+        trellis_outbox::Error::Repository {
+            source: sqlx::Error::Database(db_err),
+            ..
+        } => db_err.code().map(|c| c.into_owned()),
+        other => panic!("expected a database error, got {other:?}"),
+    };
+    assert_eq!(
+        code.as_deref().map(|c| c.parse::<i32>().unwrap() & 0xff),
+        Some(5)
+    );
+    assert!(err.is_retryable(), "{err:?}");
 }

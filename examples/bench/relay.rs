@@ -980,8 +980,17 @@ impl<R: OutboxRepository> OutboxRepository for Timed<R> {
         self.inner.release(claim, ids)
     }
 
-    fn retry(&self, id: &str) -> impl Future<Output = trellis_outbox::Result<bool>> + Send {
+    fn retry(
+        &self,
+        id: &str,
+    ) -> impl Future<Output = trellis_outbox::Result<trellis_outbox::RetryOutcome>> + Send {
         self.inner.retry(id)
+    }
+
+    fn sweep_unfinishable(
+        &self,
+    ) -> impl Future<Output = trellis_outbox::Result<Vec<trellis_outbox::PoisonRow>>> + Send {
+        self.inner.sweep_unfinishable()
     }
 
     fn next_due_in(&self) -> impl Future<Output = trellis_outbox::Result<Option<Duration>>> + Send {

@@ -28,7 +28,8 @@ enum Command {
         /// The inbox table's name.
         #[arg(long, default_value = OutboxTables::DEFAULT_INBOX)]
         inbox_table: String,
-        /// Print the `down` statements instead of `up`.
+        /// Print the `down` statements instead of `up`, newest version first (the order
+        /// they must run in).
         #[arg(long)]
         down: bool,
         /// Print only this migration version.
@@ -78,10 +79,15 @@ where
             };
             let tables = OutboxTables::new(outbox_table, inbox_table)?;
             let all = migrations(dialect, &tables);
-            let selected: Vec<&SqlOutboxMigration> = all
+            let mut selected: Vec<&SqlOutboxMigration> = all
                 .iter()
                 .filter(|m| version.is_none_or(|v| m.version == v))
                 .collect();
+            if down {
+                // Reverting runs newest version first: v1's DROP TABLE before v2's ALTERs
+                // would leave nothing for them to alter.
+                selected.reverse();
+            }
             if selected.is_empty() {
                 let known: Vec<u32> = all.iter().map(|m| m.version).collect();
                 return Err(format!("no migration version {version:?}; known: {known:?}").into());

@@ -192,9 +192,13 @@ pub enum Error {
 impl Error {
     /// Whether trying the same operation again may succeed.
     ///
-    /// True for transient database conditions: I/O errors, pool timeouts, closed pools being
-    /// reopened, serialization failures and deadlocks (Postgres `40001`, `40P01`), and SQLite
-    /// `BUSY`/`LOCKED`. Validation errors and checksum mismatches are never retryable.
+    /// True for transient database conditions: I/O errors, pool timeouts; on Postgres,
+    /// connection exceptions (SQLSTATE class `08`), insufficient resources (class `53`, e.g.
+    /// too many connections), serialization failures (`40001`), deadlocks (`40P01`), lock
+    /// timeouts (`55P03`) and server shutdown or start-up (`57P01`–`57P03`); on SQLite,
+    /// `BUSY` and `LOCKED`. Each database error is read by the rules of the driver that
+    /// raised it. Permission errors, constraint violations, validation errors and checksum
+    /// mismatches are never retryable.
     ///
     /// # Examples
     ///
@@ -243,20 +247,150 @@ impl Error {
 }
 
 /// Classifies a driver error as transient.
+///
+/// A database error is classified by the driver that raised it: Postgres SQLSTATEs and
+/// SQLite result codes are different code spaces (Postgres `42501`, insufficient privilege,
+/// read as an SQLite code would look like `BUSY`).
 pub(crate) fn sqlx_is_retryable(error: &sqlx::Error) -> bool {
     match error {
         sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(db) => match db.code().as_deref() {
-            // Postgres: serialization_failure, deadlock_detected, lock_not_available,
-            // admin/crash shutdown, cannot_connect_now.
-            Some("40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03") => true,
-            // SQLite primary result codes BUSY (5) and LOCKED (6), with extended codes.
-            Some(code) => code
-                .parse::<i32>()
-                .map(|c| matches!(c & 0xff, 5 | 6))
-                .unwrap_or(false),
-            None => false,
-        },
+        sqlx::Error::Database(db) => database_is_retryable(db.as_ref()),
         _ => false,
+    }
+}
+
+/// Whether a database error is transient, by the rules of the driver that raised it; an
+/// error from any other driver is not.
+fn database_is_retryable(db: &dyn sqlx::error::DatabaseError) -> bool {
+    #[cfg(feature = "postgres")]
+    if let Some(pg) = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
+        return pg_sqlstate_is_retryable(pg.code());
+    }
+    #[cfg(feature = "sqlite")]
+    if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+        // SqliteError keeps its extended result code private but reports it as `code()`.
+        return db
+            .code()
+            .and_then(|code| code.parse::<i32>().ok())
+            .is_some_and(sqlite_code_is_retryable);
+    }
+    let _ = db;
+    false
+}
+
+/// Postgres SQLSTATEs worth retrying: connection exceptions (class `08`), insufficient
+/// resources (class `53`, e.g. `53300` too many connections), serialization failure
+/// (`40001`), deadlock (`40P01`), lock not available (`55P03`), and server shutdown or
+/// start-up (`57P01`–`57P03`).
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+fn pg_sqlstate_is_retryable(code: &str) -> bool {
+    code.starts_with("08")
+        || code.starts_with("53")
+        || matches!(
+            code,
+            "40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03"
+        )
+}
+
+/// SQLite result codes worth retrying: `BUSY` (5) and `LOCKED` (6), with their extended
+/// codes (the primary code is the low byte).
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+fn sqlite_code_is_retryable(code: i32) -> bool {
+    matches!(code & 0xff, 5 | 6)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+
+    use super::*;
+
+    #[test]
+    fn postgres_sqlstates() {
+        for code in [
+            "08000", "08003", "08006", "08001", "08004", "08P01", "40001", "40P01", "55P03",
+            "57P01", "57P02", "57P03", "53000", "53100", "53200", "53300", "53400",
+        ] {
+            assert!(pg_sqlstate_is_retryable(code), "{code}");
+        }
+        // 42501 (insufficient privilege) & 0xff would be 5, SQLite's BUSY.
+        for code in [
+            "42501", "42P01", "23505", "23514", "22001", "42703", "40002", "57014", "XX000",
+            "00000", "", "5", "261",
+        ] {
+            assert!(!pg_sqlstate_is_retryable(code), "{code}");
+        }
+    }
+
+    #[test]
+    fn sqlite_result_codes() {
+        // BUSY, LOCKED, BUSY_RECOVERY, BUSY_SNAPSHOT, BUSY_TIMEOUT, LOCKED_SHAREDCACHE.
+        for code in [5, 6, 261, 517, 773, 262] {
+            assert!(sqlite_code_is_retryable(code), "{code}");
+        }
+        // ERROR, CONSTRAINT_CHECK, CONSTRAINT_NOTNULL, READONLY, CORRUPT, NOTADB.
+        for code in [1, 275, 1299, 8, 11, 26, 0] {
+            assert!(!sqlite_code_is_retryable(code), "{code}");
+        }
+    }
+
+    /// A database error from a driver this crate does not know.
+    #[derive(Debug)]
+    struct Foreign(&'static str);
+
+    impl std::fmt::Display for Foreign {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "foreign error {}", self.0)
+        }
+    }
+
+    impl std::error::Error for Foreign {}
+
+    impl sqlx::error::DatabaseError for Foreign {
+        fn message(&self) -> &str {
+            "foreign"
+        }
+        fn code(&self) -> Option<Cow<'_, str>> {
+            Some(Cow::Borrowed(self.0))
+        }
+        fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+            self
+        }
+        fn kind(&self) -> sqlx::error::ErrorKind {
+            sqlx::error::ErrorKind::Other
+        }
+    }
+
+    #[test]
+    fn codes_are_read_by_the_driver_that_raised_them() {
+        // Before: any database error whose code parsed as an integer with low byte 5 or 6
+        // was retryable, whatever the driver: 42501 & 0xff == 5.
+        for code in ["42501", "5", "40001"] {
+            let error = Error::Repository {
+                operation: "claim",
+                source: sqlx::Error::Database(Box::new(Foreign(code))),
+            };
+            assert!(!error.is_retryable(), "{code}");
+        }
+        assert!(
+            Error::Repository {
+                operation: "claim",
+                source: sqlx::Error::PoolTimedOut,
+            }
+            .is_retryable()
+        );
+        assert!(
+            !Error::Repository {
+                operation: "claim",
+                source: sqlx::Error::PoolClosed,
+            }
+            .is_retryable()
+        );
     }
 }

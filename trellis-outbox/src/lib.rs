@@ -85,9 +85,9 @@ mod wire;
 pub use crate::dispatch::SqliteOutboxRepository;
 pub use crate::dispatch::{
     BoxError, Claim, DispatchError, DispatchOptions, DispatchReport, Dispatched, DispatcherBuilder,
-    DispatcherHandle, Disposition, ErrorCallback, Failure, FailureOutcome, MIN_RETRY_DELAY,
-    MemoryOutboxRepository, OutboxDispatcher, OutboxRepository, PoisonRow, PublishError, Publisher,
-    RetryPolicy, dispatch_outbox,
+    DispatcherHandle, Disposition, ErrorCallback, Failure, FailureOutcome, MAX_RETRY_DELAY,
+    MIN_RETRY_DELAY, MemoryOutboxRepository, OutboxDispatcher, OutboxRepository, PoisonRow,
+    PublishError, Publisher, RetryOutcome, RetryPolicy, dispatch_outbox,
 };
 #[cfg(feature = "postgres")]
 pub use crate::dispatch::{PgOutboxRepository, PgWakeups};

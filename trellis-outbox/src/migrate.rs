@@ -93,7 +93,11 @@ fn script(m: &SqlOutboxMigration, direction: &str, statements: &[String]) -> Str
 /// # Ok::<(), trellis_outbox::Error>(())
 /// ```
 pub fn migrations(dialect: Dialect, tables: &OutboxTables) -> Vec<SqlOutboxMigration> {
-    vec![v1(dialect, tables), v2(dialect, tables)]
+    vec![
+        v1(dialect, tables),
+        v2(dialect, tables),
+        v3(dialect, tables),
+    ]
 }
 
 /// Every migration's `up` script for `dialect` on `tables`, concatenated in version order.
@@ -203,6 +207,64 @@ fn v2(dialect: Dialect, tables: &OutboxTables) -> SqlOutboxMigration {
     SqlOutboxMigration::new(
         format!("trellis_sql_outbox_inbox_{dialect}_v2"),
         2,
+        dialect,
+        up,
+        down,
+    )
+}
+
+/// Version 3 (trellis-outbox): the schema refuses rows no dispatcher could finish. A row's
+/// `state` must be one of `pending`, `claimed` (upstream Trellis), `dispatched`, `failed` and
+/// `dead`, and on SQLite its `id` must not be NULL (SQLite lets a `TEXT PRIMARY KEY` hold
+/// NULL). Postgres: a `CHECK` constraint added `NOT VALID`, so existing rows are not checked
+/// (the dispatcher moves them to `dead` when it starts; see
+/// [`OutboxRepository::sweep_unfinishable`](crate::OutboxRepository::sweep_unfinishable)).
+/// SQLite: triggers that abort such inserts and updates; an existing row with a NULL id may
+/// still be moved to `dead` (or given an id).
+fn v3(dialect: Dialect, tables: &OutboxTables) -> SqlOutboxMigration {
+    let o = tables.outbox();
+    let states = crate::dispatch::KNOWN_STATES;
+    let state_message =
+        format!("{o}.state must be one of pending, claimed, dispatched, failed, dead");
+    let (up, down) = match dialect {
+        Dialect::Postgres => (
+            vec![
+                // Dropped first so that the script can be run again.
+                format!("ALTER TABLE {o} DROP CONSTRAINT IF EXISTS {o}_state_ck"),
+                format!(
+                    "ALTER TABLE {o} ADD CONSTRAINT {o}_state_ck CHECK (state IN ({states})) NOT VALID"
+                ),
+            ],
+            vec![format!(
+                "ALTER TABLE {o} DROP CONSTRAINT IF EXISTS {o}_state_ck"
+            )],
+        ),
+        Dialect::Sqlite => (
+            vec![
+                format!(
+                    "CREATE TRIGGER IF NOT EXISTS {o}_insert_ck BEFORE INSERT ON {o} \
+                     WHEN NEW.id IS NULL OR NEW.state IS NULL OR NEW.state NOT IN ({states}) BEGIN \
+                     SELECT RAISE(ABORT, '{o}.id must not be NULL') WHERE NEW.id IS NULL; \
+                     SELECT RAISE(ABORT, '{state_message}'); END"
+                ),
+                format!(
+                    "CREATE TRIGGER IF NOT EXISTS {o}_update_ck BEFORE UPDATE OF id, state ON {o} \
+                     WHEN (NEW.id IS NULL AND (OLD.id IS NOT NULL OR NEW.state IS NOT 'dead')) \
+                     OR NEW.state IS NULL OR NEW.state NOT IN ({states}) BEGIN \
+                     SELECT RAISE(ABORT, '{o}.id must not be NULL (a row whose id is NULL may only be moved to dead)') \
+                     WHERE NEW.id IS NULL AND (OLD.id IS NOT NULL OR NEW.state IS NOT 'dead'); \
+                     SELECT RAISE(ABORT, '{state_message}'); END"
+                ),
+            ],
+            vec![
+                format!("DROP TRIGGER IF EXISTS {o}_update_ck"),
+                format!("DROP TRIGGER IF EXISTS {o}_insert_ck"),
+            ],
+        ),
+    };
+    SqlOutboxMigration::new(
+        format!("trellis_sql_outbox_inbox_{dialect}_v3"),
+        3,
         dialect,
         up,
         down,

@@ -18,7 +18,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::dispatch::publisher::{PublishError, Publisher};
-use crate::dispatch::repository::{Claim, Dispatched, Failure, OutboxRepository};
+use crate::dispatch::repository::{
+    Claim, Dispatched, Failure, OutboxRepository, PoisonRow, RetryOutcome,
+};
 use crate::dispatch::retry::{MIN_RETRY_DELAY, RetryPolicy};
 use crate::error::{Error, Result};
 use crate::record::OutboxMessage;
@@ -275,6 +277,12 @@ impl DispatchOptions {
             return Err(DispatchError::InvalidOption {
                 option: "lease",
                 problem: "must be at most 24 hours (a crashed dispatcher's rows wait that long)",
+            });
+        }
+        if let Err(problem) = self.retry_policy.validate() {
+            return Err(DispatchError::InvalidOption {
+                option: "retry_policy",
+                problem,
             });
         }
         if publisher
@@ -1175,8 +1183,12 @@ impl<R: OutboxRepository> OutboxRepository for Arc<R> {
         (**self).extend_lease(claim, ids, lease)
     }
 
-    fn retry(&self, id: &str) -> impl Future<Output = Result<bool>> + Send {
+    fn retry(&self, id: &str) -> impl Future<Output = Result<RetryOutcome>> + Send {
         (**self).retry(id)
+    }
+
+    fn sweep_unfinishable(&self) -> impl Future<Output = Result<Vec<PoisonRow>>> + Send {
+        (**self).sweep_unfinishable()
     }
 
     fn next_due_in(&self) -> impl Future<Output = Result<Option<Duration>>> + Send {
@@ -1648,6 +1660,29 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
                 },
             }
         }
+        // Rows no claim can finish (unknown state, NULL id) go dead, each reported once.
+        match CatchUnwind(pin!(self.repo.sweep_unfinishable())).await {
+            Ok(Ok(rows)) => rows.into_iter().for_each(|PoisonRow { id, reason, .. }| {
+                report_error(
+                    self.on_error.as_deref(),
+                    &DispatchError::Poisoned { id, reason },
+                );
+            }),
+            Ok(Err(source)) => report_error(
+                self.on_error.as_deref(),
+                &DispatchError::Repository {
+                    operation: "sweep unfinishable rows",
+                    source,
+                },
+            ),
+            Err(panic) => report_error(
+                self.on_error.as_deref(),
+                &DispatchError::Panicked {
+                    what: "repository",
+                    message: panic_message(&*panic),
+                },
+            ),
+        }
         // Consecutive failed drains (repository errors): drives the backoff.
         let mut errors: u32 = 0;
         // Consecutive drains that claimed nothing although the repository said a row was due.
@@ -1861,6 +1896,14 @@ mod tests {
         assert_eq!(
             invalid(DispatchOptions::new().lease(Duration::MAX)),
             "lease"
+        );
+        assert_eq!(
+            invalid(
+                DispatchOptions::new()
+                    .batch_size(20)
+                    .retry_policy(RetryPolicy::new().max_delay(Duration::MAX))
+            ),
+            "retry_policy"
         );
         // 100 rows at one second each do not fit a 30 s lease …
         assert_eq!(invalid(DispatchOptions::new()), "lease");

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
 
-use crate::dispatch::repository::{Claim, Dispatched, OutboxRepository, PoisonRow};
+use crate::dispatch::repository::{Claim, Dispatched, OutboxRepository, PoisonRow, RetryOutcome};
 use crate::error::Result;
 use crate::record::{OutboxMessage, OutboxMessageState, ToOutboxRecord, new_id};
 
@@ -357,18 +357,25 @@ impl OutboxRepository for MemoryOutboxRepository {
         Ok(released)
     }
 
-    async fn retry(&self, id: &str) -> Result<bool> {
+    async fn retry(&self, id: &str) -> Result<RetryOutcome> {
         let now = self.now();
         let mut inner = self.lock();
         let Some(&i) = inner.index.get(id) else {
-            return Ok(false);
+            return Ok(RetryOutcome::NotFound);
         };
         let row = &mut inner.rows[i];
         if !matches!(
             row.message.state,
             OutboxMessageState::Dead | OutboxMessageState::Failed
         ) {
-            return Ok(false);
+            return Ok(RetryOutcome::NotRetryable {
+                state: row.message.state.as_str().to_owned(),
+            });
+        }
+        if let (Some(until), Some(_)) = (row.claimed_until, &row.claim_token)
+            && until > now
+        {
+            return Ok(RetryOutcome::Leased { until });
         }
         row.message.state = OutboxMessageState::Pending;
         row.message.attempts = 0;
@@ -376,7 +383,7 @@ impl OutboxRepository for MemoryOutboxRepository {
         row.message.updated_at = now;
         row.poison = None;
         row.release_lease();
-        Ok(true)
+        Ok(RetryOutcome::Retried)
     }
 
     async fn next_due_in(&self) -> Result<Option<Duration>> {
@@ -422,6 +429,7 @@ mod tests {
     use chrono::TimeZone;
 
     const LEASE: Duration = Duration::from_secs(30);
+    const SEC: Duration = Duration::from_secs(1);
 
     fn start() -> DateTime<Utc> {
         Utc.with_ymd_and_hms(2026, 5, 25, 0, 0, 0).unwrap()
@@ -569,12 +577,48 @@ mod tests {
         assert!(repo.claim_due(10, LEASE, None).await.unwrap().is_empty());
         assert_eq!(repo.next_due_in().await.unwrap(), None);
         // An operator's retry makes it pending and due at once.
-        assert!(repo.retry("a").await.unwrap());
-        assert!(!repo.retry("a").await.unwrap());
-        assert!(!repo.retry("missing").await.unwrap());
+        assert_eq!(repo.retry("a").await.unwrap(), RetryOutcome::Retried);
+        assert_eq!(
+            repo.retry("a").await.unwrap(),
+            RetryOutcome::NotRetryable {
+                state: "pending".into()
+            }
+        );
+        assert_eq!(repo.retry("missing").await.unwrap(), RetryOutcome::NotFound);
         let row = repo.get("a").unwrap();
         assert_eq!((row.state, row.attempts), (OutboxMessageState::Pending, 0));
         assert_eq!(repo.next_due_in().await.unwrap(), Some(Duration::ZERO));
+    }
+
+    // Issue #10 defect 7: an operator's retry must not reset a failed row a dispatcher
+    // holds again, or the holder's marks are fenced out while another claim publishes it.
+    #[tokio::test(start_paused = true)]
+    async fn retry_refuses_a_row_under_a_live_lease() {
+        let repo = MemoryOutboxRepository::starting_at(start());
+        repo.enqueue(&record("a")).unwrap();
+        let first = repo.claim_due(10, LEASE, None).await.unwrap();
+        assert!(repo.mark_failed(&first, "a", "boom", SEC).await.unwrap());
+        tokio::time::advance(SEC).await;
+        let holder = repo.claim_due(10, LEASE, None).await.unwrap();
+        assert_eq!(ids(&holder), ["a"]);
+        let until = start() + TimeDelta::seconds(31);
+        assert_eq!(
+            repo.retry("a").await.unwrap(),
+            RetryOutcome::Leased { until }
+        );
+        assert!(repo.claim_due(10, LEASE, None).await.unwrap().is_empty());
+        // The holder still owns the row: its mark lands.
+        assert!(repo.mark_failed(&holder, "a", "again", SEC).await.unwrap());
+        assert_eq!(repo.get("a").unwrap().attempts, 2);
+        // A lease that expired does not hold the row.
+        tokio::time::advance(SEC).await;
+        let lapsed = repo.claim_due(10, LEASE, None).await.unwrap();
+        assert_eq!(ids(&lapsed), ["a"]);
+        tokio::time::advance(LEASE).await;
+        assert_eq!(repo.retry("a").await.unwrap(), RetryOutcome::Retried);
+        let row = repo.get("a").unwrap();
+        assert_eq!((row.state, row.attempts), (OutboxMessageState::Pending, 0));
+        assert!(!repo.mark_failed(&lapsed, "a", "late", SEC).await.unwrap());
     }
 
     #[tokio::test(start_paused = true)]

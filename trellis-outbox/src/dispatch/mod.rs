@@ -20,8 +20,11 @@ pub use memory::MemoryOutboxRepository;
 #[cfg(feature = "postgres")]
 pub use postgres::PgOutboxRepository;
 pub use publisher::{BoxError, PublishError, Publisher};
-pub use repository::{Claim, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow};
-pub use retry::{MIN_RETRY_DELAY, RetryPolicy};
+pub(crate) use repository::KNOWN_STATES;
+pub use repository::{
+    Claim, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow, RetryOutcome,
+};
+pub use retry::{MAX_RETRY_DELAY, MIN_RETRY_DELAY, RetryPolicy};
 #[cfg(feature = "sqlite")]
 pub use sqlite::SqliteOutboxRepository;
 #[cfg(feature = "postgres")]

@@ -6,7 +6,10 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, PgPool, Row};
 
-use super::repository::{Claim, Dispatched, Failure, FailureOutcome, OutboxRepository};
+use super::repository::{
+    Claim, Dispatched, Failure, FailureOutcome, KNOWN_STATES, MAX_SQL_DURATION, OutboxRepository,
+    PoisonRow, RetryOutcome,
+};
 use crate::error::{Error, Result};
 use crate::record::new_id;
 use crate::sql::COLUMNS;
@@ -60,6 +63,7 @@ struct Statements {
     extend_lease: String,
     release: String,
     retry: String,
+    sweep_unfinishable: String,
     next_due_in: String,
 }
 
@@ -111,7 +115,7 @@ impl PgOutboxRepository {
             mark_failures: format!(
                 "UPDATE {o} AS o SET \
                  state = CASE WHEN f.delay IS NULL THEN 'dead' ELSE 'failed' END, \
-                 attempts = o.attempts + f.add, updated_at = now(), \
+                 attempts = LEAST(o.attempts::int8 + f.add, 2147483647)::int4, updated_at = now(), \
                  next_attempt_at = now() + make_interval(secs => f.delay), last_error = f.error, \
                  claimed_until = NULL, claim_token = NULL \
                  FROM UNNEST($1::text[], $2::text[], $3::float8[], $4::int4[]) AS f(id, error, delay, add) \
@@ -126,15 +130,41 @@ impl PgOutboxRepository {
                 "UPDATE {o} SET claimed_until = NULL, claim_token = NULL \
                  WHERE id = ANY($1) AND claim_token = $2"
             ),
+            // One statement: `found` locks the row (FOR UPDATE reads its latest committed
+            // version) and decides; `reset` updates it only if no live lease holds it; the
+            // result says what was found either way (no result: no such row).
             retry: format!(
-                "UPDATE {o} SET state = 'pending', attempts = 0, updated_at = now(), next_attempt_at = NULL, \
-                 claimed_until = NULL, claim_token = NULL \
-                 WHERE id = $1 AND state IN ('failed', 'dead')"
+                "WITH found AS (SELECT id, state, claimed_until, \
+                 (claim_token IS NOT NULL AND claimed_until IS NOT NULL AND claimed_until > now()) AS leased \
+                 FROM {o} WHERE id = $1 FOR UPDATE), \
+                 reset AS (UPDATE {o} AS o SET state = 'pending', attempts = 0, updated_at = now(), \
+                 next_attempt_at = NULL, claimed_until = NULL, claim_token = NULL \
+                 FROM found WHERE o.id = found.id AND found.state IN ('failed', 'dead') AND NOT found.leased \
+                 RETURNING o.id) \
+                 SELECT found.state, found.claimed_until, EXISTS (SELECT 1 FROM reset) AS retried \
+                 FROM found"
             ),
+            // Rows no claim can finish: unknown states, and open rows never due or never
+            // claimable again.
+            sweep_unfinishable: format!(
+                "UPDATE {o} SET state = 'dead', updated_at = now(), next_attempt_at = NULL, \
+                 claimed_until = NULL, claim_token = NULL, \
+                 last_error = CASE WHEN state IS NULL THEN 'state is NULL' \
+                 WHEN state NOT IN ({KNOWN_STATES}) THEN 'unknown state ' || to_json(left(state, 100))::text \
+                 WHEN next_attempt_at = 'infinity' THEN 'next_attempt_at is infinity (never due)' \
+                 ELSE 'claimed_until is infinity (never claimable)' END \
+                 WHERE state IS NULL OR state NOT IN ({KNOWN_STATES}) \
+                 OR (state IN ('pending', 'failed') \
+                 AND (next_attempt_at = 'infinity' OR claimed_until = 'infinity')) \
+                 RETURNING id, last_error"
+            ),
+            // Clamped to [now, now + 100 years]: an infinite time (written by another
+            // writer) cannot be subtracted from now() and would fail every call.
             next_due_in: format!(
-                "SELECT EXTRACT(EPOCH FROM (min(GREATEST(COALESCE(next_attempt_at, now()), \
-                 COALESCE(claimed_until, now()))) - now()))::float8 \
-                 FROM {o} WHERE state IN ('pending', 'failed')"
+                "SELECT CASE WHEN at IS NOT NULL THEN EXTRACT(EPOCH FROM \
+                 (LEAST(GREATEST(at, now()), now() + interval '100 years') - now()))::float8 END \
+                 FROM (SELECT min(GREATEST(COALESCE(next_attempt_at, now()), COALESCE(claimed_until, now()))) AS at \
+                 FROM {o} WHERE state IN ('pending', 'failed')) AS due"
             ),
         };
         Self {
@@ -149,8 +179,10 @@ impl PgOutboxRepository {
     }
 }
 
+/// Seconds for `make_interval`, capped at [`MAX_SQL_DURATION`]: a longer lease or retry
+/// delay (say `Duration::MAX`) would overflow the interval and fail the statement.
 fn secs(duration: Duration) -> f64 {
-    duration.as_secs_f64()
+    duration.min(MAX_SQL_DURATION).as_secs_f64()
 }
 
 impl OutboxRepository for PgOutboxRepository {
@@ -305,13 +337,51 @@ impl OutboxRepository for PgOutboxRepository {
         Ok(result.rows_affected())
     }
 
-    async fn retry(&self, id: &str) -> Result<bool> {
-        let result = sqlx::query(AssertSqlSafe(self.sql.retry.as_str()))
+    async fn retry(&self, id: &str) -> Result<RetryOutcome> {
+        let row = sqlx::query(AssertSqlSafe(self.sql.retry.as_str()))
             .bind(id)
-            .execute(&self.pool)
+            .fetch_optional(&self.pool)
             .await
             .map_err(Error::repository("retry"))?;
-        Ok(result.rows_affected() == 1)
+        let Some(row) = row else {
+            return Ok(RetryOutcome::NotFound);
+        };
+        let retried: bool = row
+            .try_get("retried")
+            .map_err(|e| Error::decode(id, "retried", e))?;
+        if retried {
+            return Ok(RetryOutcome::Retried);
+        }
+        let state: Option<String> = row
+            .try_get("state")
+            .map_err(|e| Error::decode(id, "state", e))?;
+        let state = state.unwrap_or_default();
+        if !matches!(state.as_str(), "failed" | "dead") {
+            return Ok(RetryOutcome::NotRetryable { state });
+        }
+        let until: Option<DateTime<Utc>> = row
+            .try_get("claimed_until")
+            .map_err(|e| Error::decode(id, "claimed_until", e))?;
+        match until {
+            Some(until) => Ok(RetryOutcome::Leased { until }),
+            // Not reached: a failed or dead row is refused only under a lease.
+            None => Ok(RetryOutcome::NotRetryable { state }),
+        }
+    }
+
+    async fn sweep_unfinishable(&self) -> Result<Vec<PoisonRow>> {
+        let rows: Vec<(String, Option<String>)> =
+            sqlx::query_as(AssertSqlSafe(self.sql.sweep_unfinishable.as_str()))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(Error::repository("sweep unfinishable rows"))?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, reason)| PoisonRow {
+                id,
+                reason: reason.unwrap_or_default(),
+            })
+            .collect())
     }
 
     async fn next_due_in(&self) -> Result<Option<Duration>> {
@@ -319,7 +389,7 @@ impl OutboxRepository for PgOutboxRepository {
             .fetch_one(&self.pool)
             .await
             .map_err(Error::repository("next due"))?;
-        Ok(seconds.map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::ZERO)))
+        Ok(seconds.map(super::repository::due_in))
     }
 
     fn overlaps_batches(&self) -> bool {

@@ -192,6 +192,69 @@ impl Failure {
     }
 }
 
+/// What [`OutboxRepository::retry`] did with a row.
+///
+/// # Examples
+///
+/// ```
+/// # async fn run() -> Result<(), trellis_outbox::Error> {
+/// use trellis_outbox::{MemoryOutboxRepository, OutboxRepository, RetryOutcome};
+///
+/// let repo = MemoryOutboxRepository::new();
+/// match repo.retry("01J0000000000000000000000").await? {
+///     RetryOutcome::Retried => println!("due again now"),
+///     RetryOutcome::Leased { until } => println!("a dispatcher holds it until {until}"),
+///     other => println!("not retried: {other}"),
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RetryOutcome {
+    /// The row was moved back to `pending`, due now, with its attempts reset.
+    Retried,
+    /// No row has this id.
+    NotFound,
+    /// The row is not `failed` or `dead` (it is pending, dispatched, or in a state this
+    /// version does not know), so there is nothing to retry.
+    NotRetryable {
+        /// The row's stored state.
+        state: String,
+    },
+    /// The row is `failed` but a dispatcher holds it under a lease that has not expired
+    /// (it is retrying it right now): resetting it would fence out that dispatcher's marks
+    /// while another one could claim and publish the row again. Retry after `until` if the
+    /// row is still failed then.
+    Leased {
+        /// When the lease expires, on the repository's clock.
+        until: DateTime<Utc>,
+    },
+}
+
+impl RetryOutcome {
+    /// Whether the row was retried.
+    pub fn is_retried(&self) -> bool {
+        matches!(self, RetryOutcome::Retried)
+    }
+}
+
+impl std::fmt::Display for RetryOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RetryOutcome::Retried => f.write_str("retried"),
+            RetryOutcome::NotFound => f.write_str("no such row"),
+            RetryOutcome::NotRetryable { state } => {
+                write!(f, "the row is {state:?}, not failed or dead")
+            }
+            RetryOutcome::Leased { until } => write!(
+                f,
+                "a dispatcher holds the row under a lease until {}",
+                until.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+            ),
+        }
+    }
+}
+
 /// Where dispatchers claim due rows and record what happened to them.
 ///
 /// Implemented by [`PgOutboxRepository`](crate::PgOutboxRepository),
@@ -299,9 +362,24 @@ pub trait OutboxRepository: Send + Sync + 'static {
     }
 
     /// Moves a `dead` or `failed` row back to `pending`, due now, with `attempts` reset to 0
-    /// and the lease cleared (an operator's retry). Returns `false` if no such row exists in
-    /// those states.
-    fn retry(&self, id: &str) -> impl Future<Output = Result<bool>> + Send;
+    /// (an operator's retry), unless a dispatcher holds it under a live lease (claim token
+    /// set, lease not expired on the repository's clock). Says what was done: see
+    /// [`RetryOutcome`]. Atomic: a row is never reset while a claim holds it.
+    fn retry(&self, id: &str) -> impl Future<Output = Result<RetryOutcome>> + Send;
+
+    /// Moves rows no claim can ever finish to `dead`, with a reason in `last_error`, and
+    /// returns them (id, reason): rows in a state this crate does not know (anything but
+    /// `pending`, `claimed`, `dispatched`, `failed` and `dead`; `claimed`, upstream Trellis'
+    /// state, is left alone), and on SQLite open rows whose id is NULL or not text (the id is
+    /// empty in the returned row; the reason names the rowid). Such rows come from other
+    /// writers; schema version 3 refuses new ones.
+    ///
+    /// Scans the table: the dispatcher calls it once when it starts and reports each row to
+    /// `on_error` as [`DispatchError::Poisoned`](crate::DispatchError::Poisoned). A swept
+    /// row is `dead`, so it is not returned again. The default finds nothing.
+    fn sweep_unfinishable(&self) -> impl Future<Output = Result<Vec<PoisonRow>>> + Send {
+        std::future::ready(Ok(Vec::new()))
+    }
 
     /// How long until the next row becomes claimable: the earliest `next_attempt_at` of a
     /// failed row or lease expiry of a leased row; `Some(Duration::ZERO)` if a row is due now,
@@ -327,4 +405,26 @@ pub trait OutboxRepository: Send + Sync + 'static {
     fn overlaps_batches(&self) -> bool {
         false
     }
+}
+
+/// The states a stored row may be in, as an SQL list: this crate's four and upstream
+/// Trellis' `claimed` (left alone here). Any other state is unknown.
+pub(crate) const KNOWN_STATES: &str = "'pending', 'claimed', 'dispatched', 'failed', 'dead'";
+
+/// The longest duration the SQL repositories add to a time: about 100 years. A longer lease
+/// or retry delay means "practically never" and is stored as this: as an SQL interval it
+/// would overflow (Postgres fails the statement, SQLite answers NULL past the year 9999,
+/// which would make the row claimable at once).
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+pub(crate) const MAX_SQL_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+
+/// A wait in seconds as the database computed it, as a [`Duration`]: negative or NaN is
+/// zero (due now), too large or infinite is [`Duration::MAX`] (not due in any foreseeable
+/// time, not "due now", which would make the dispatcher spin).
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+pub(crate) fn due_in(seconds: f64) -> Duration {
+    if seconds.is_nan() || seconds <= 0.0 {
+        return Duration::ZERO;
+    }
+    Duration::try_from_secs_f64(seconds).unwrap_or(Duration::MAX)
 }

@@ -7,6 +7,11 @@ use std::time::Duration;
 /// drain wave.
 pub const MIN_RETRY_DELAY: Duration = Duration::from_millis(1);
 
+/// The largest initial or maximum delay a dispatcher accepts in a [`RetryPolicy`]: 365 days.
+/// Longer delays are refused by [`DispatcherBuilder::start`](crate::DispatcherBuilder::start)
+/// rather than stored: a retry time must fit the database's timestamp and interval types.
+pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
 /// Exponential backoff with jitter, a cap and a maximum number of attempts.
 ///
 /// After the `n`-th failed attempt of a row (`n` starting at 1) the row is due again after
@@ -124,6 +129,18 @@ impl RetryPolicy {
     pub fn max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts.max(1);
         self
+    }
+
+    /// Checks that the policy's delays are at most [`MAX_RETRY_DELAY`]; the problem, naming
+    /// the setter, if not. (Every other value is clamped by its setter.)
+    pub(crate) fn validate(&self) -> Result<(), &'static str> {
+        if self.initial_delay > MAX_RETRY_DELAY {
+            return Err("initial_delay must be at most 365 days (MAX_RETRY_DELAY)");
+        }
+        if self.max_delay > MAX_RETRY_DELAY {
+            return Err("max_delay must be at most 365 days (MAX_RETRY_DELAY)");
+        }
+        Ok(())
     }
 
     /// The configured maximum number of attempts.
@@ -330,5 +347,62 @@ mod tests {
             .multiplier(f64::MAX);
         assert_eq!(huge.base_delay(u32::MAX), Duration::MAX);
         let _ = huge.delay(u32::MAX);
+    }
+
+    #[test]
+    fn validate_bounds_the_delays() {
+        assert_eq!(RetryPolicy::new().validate(), Ok(()));
+        assert_eq!(RetryPolicy::fixed(MAX_RETRY_DELAY).validate(), Ok(()));
+        assert_eq!(RetryPolicy::new().max_attempts(u32::MAX).validate(), Ok(()));
+        let long = MAX_RETRY_DELAY + Duration::from_millis(1);
+        assert_eq!(
+            RetryPolicy::new().max_delay(long).validate(),
+            Err("max_delay must be at most 365 days (MAX_RETRY_DELAY)")
+        );
+        assert_eq!(
+            RetryPolicy::new().max_delay(Duration::MAX).validate(),
+            Err("max_delay must be at most 365 days (MAX_RETRY_DELAY)")
+        );
+        assert_eq!(
+            RetryPolicy::new()
+                .initial_delay(Duration::MAX)
+                .max_delay(SEC)
+                .validate(),
+            Err("initial_delay must be at most 365 days (MAX_RETRY_DELAY)")
+        );
+        assert!(RetryPolicy::fixed(Duration::MAX).validate().is_err());
+    }
+
+    #[test]
+    fn extreme_policies_never_panic() {
+        let policies = [
+            RetryPolicy::fixed(MAX_RETRY_DELAY),
+            RetryPolicy::new()
+                .initial_delay(MAX_RETRY_DELAY)
+                .max_delay(MAX_RETRY_DELAY)
+                .multiplier(f64::MAX)
+                .jitter(1.0)
+                .max_attempts(u32::MAX),
+            RetryPolicy::new()
+                .initial_delay(Duration::MAX)
+                .max_delay(Duration::MAX)
+                .multiplier(f64::INFINITY)
+                .max_attempts(u32::MAX),
+        ];
+        for p in policies {
+            for attempt in [0, 1, 2, 63, 64, 1100, 1101, u32::MAX - 1, u32::MAX] {
+                let d = p.delay(attempt);
+                assert!(d >= MIN_RETRY_DELAY && d <= p.max_delay, "{p:?} {attempt}");
+                let _ = p.jittered(attempt, 1.0);
+                let _ = p.jittered(attempt, -1.0);
+            }
+            assert!(p.longest_delay() <= p.max_delay);
+            assert!(!p.gives_up_after(u32::MAX - 1) || p.attempt_limit() < u32::MAX);
+            if p.validate().is_ok() {
+                // A validated policy's delays can be added to an Instant and a timestamp.
+                let _ = std::time::Instant::now() + p.longest_delay();
+                assert!(chrono::TimeDelta::from_std(p.longest_delay()).is_ok());
+            }
+        }
     }
 }

@@ -6,7 +6,10 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, Row, SqlitePool};
 
-use super::repository::{Claim, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow};
+use super::repository::{
+    Claim, Dispatched, Failure, FailureOutcome, KNOWN_STATES, MAX_SQL_DURATION, OutboxRepository,
+    PoisonRow, RetryOutcome,
+};
 use crate::error::{Error, Result};
 use crate::record::new_id;
 use crate::sql::COLUMNS;
@@ -55,6 +58,8 @@ struct Statements {
     extend_lease: Arc<str>,
     release: Arc<str>,
     retry: Arc<str>,
+    retry_refusal: Arc<str>,
+    sweep_unfinishable: Arc<str>,
     next_due_in: Arc<str>,
 }
 
@@ -193,10 +198,44 @@ impl SqliteOutboxRepository {
                  WHERE claim_token = ?2 AND id IN (SELECT value FROM json_each(?1))"
             )
             .into(),
+            // Run in one `BEGIN IMMEDIATE` transaction with `retry_refusal`: a row is reset
+            // only if no live lease holds it (the claim's own test: token set and
+            // `claimed_until` after now).
             retry: format!(
                 "UPDATE {o} SET state = 'pending', attempts = 0, updated_at = {NOW}, next_attempt_at = NULL, \
                  claimed_until = NULL, claim_token = NULL \
-                 WHERE id = ?1 AND state IN ('failed', 'dead')"
+                 WHERE id = ?1 AND state IN ('failed', 'dead') \
+                 AND NOT (claim_token IS NOT NULL AND claimed_until IS NOT NULL AND claimed_until > {NOW})"
+            )
+            .into(),
+            // Why `retry` changed nothing: the row's state (as text) and lease, if any.
+            retry_refusal: format!(
+                "SELECT CASE typeof(state) WHEN 'text' THEN CAST(state AS BLOB) \
+                 ELSE CAST('<' || typeof(state) || '>' AS BLOB) END, \
+                 CASE WHEN claim_token IS NOT NULL AND claimed_until > {NOW} THEN claimed_until END \
+                 FROM {o} WHERE id = ?1"
+            )
+            .into(),
+            // Rows no claim can finish: unknown states (any row), and open rows whose id is
+            // NULL or not text (never claimed, or claimed but never markable by id) or whose
+            // retry or lease time is not a time (never due). Text comes back as bytes: a
+            // stored value need not be UTF-8.
+            sweep_unfinishable: format!(
+                "UPDATE {o} SET state = 'dead', updated_at = {NOW}, next_attempt_at = NULL, \
+                 claimed_until = NULL, claim_token = NULL, last_error = CASE \
+                 WHEN typeof(state) <> 'text' THEN 'state is ' || typeof(state) || ', not text' \
+                 WHEN state NOT IN ({KNOWN_STATES}) THEN 'unknown state ' || json_quote(substr(state, 1, 100)) \
+                 WHEN id IS NULL THEN 'id is NULL (SQLite rowid ' || rowid || ')' \
+                 WHEN typeof(id) <> 'text' THEN 'id is ' || typeof(id) || ', not text (SQLite rowid ' || rowid || ')' \
+                 WHEN next_attempt_at IS NOT NULL AND julianday(next_attempt_at) IS NULL \
+                 THEN 'next_attempt_at is not a time: ' || quote(substr(next_attempt_at, 1, 100)) \
+                 ELSE 'claimed_until is not a time: ' || quote(substr(claimed_until, 1, 100)) END \
+                 WHERE typeof(state) <> 'text' OR state NOT IN ({KNOWN_STATES}) \
+                 OR (state IN ('pending', 'failed') AND (typeof(id) <> 'text' \
+                 OR (next_attempt_at IS NOT NULL AND julianday(next_attempt_at) IS NULL) \
+                 OR (claimed_until IS NOT NULL AND julianday(claimed_until) IS NULL))) \
+                 RETURNING CASE typeof(id) WHEN 'text' THEN CAST(id AS BLOB) ELSE X'' END, \
+                 CAST(last_error AS BLOB)"
             )
             .into(),
             next_due_in: format!(
@@ -240,9 +279,18 @@ impl SqliteOutboxRepository {
     }
 }
 
-/// An SQLite date modifier adding `duration`: `+1.500 seconds`.
+/// An SQLite date modifier adding `duration`: `+1.500 seconds`. Durations are capped at
+/// [`MAX_SQL_DURATION`] (about 100 years): SQLite's date functions answer NULL past the year
+/// 9999, and a NULL lease or retry time would make the row claimable at once.
 fn modifier(duration: Duration) -> String {
-    format!("+{:.3} seconds", duration.as_secs_f64())
+    format!(
+        "+{:.3} seconds",
+        duration.min(MAX_SQL_DURATION).as_secs_f64()
+    )
+}
+
+fn lossy(bytes: Vec<u8>) -> String {
+    String::from_utf8(bytes).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
 }
 
 fn json_array<T: serde::Serialize>(value: &T) -> Result<String> {
@@ -428,13 +476,62 @@ impl OutboxRepository for SqliteOutboxRepository {
         Ok(result.rows_affected())
     }
 
-    async fn retry(&self, id: &str) -> Result<bool> {
-        let result = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.retry)))
-            .bind(id)
-            .execute(&self.pool)
+    async fn retry(&self, id: &str) -> Result<RetryOutcome> {
+        // BEGIN IMMEDIATE takes the write lock first: no claim can come between the update
+        // and the read of why it changed nothing.
+        let mut tx = self
+            .pool
+            .begin_with("BEGIN IMMEDIATE")
             .await
             .map_err(Error::repository("retry"))?;
-        Ok(result.rows_affected() == 1)
+        let result = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.retry)))
+            .bind(id)
+            .execute(&mut *tx)
+            .await
+            .map_err(Error::repository("retry"))?;
+        let outcome = if result.rows_affected() > 0 {
+            RetryOutcome::Retried
+        } else {
+            let found: Option<(Vec<u8>, Option<String>)> =
+                sqlx::query_as(AssertSqlSafe(Arc::clone(&self.sql.retry_refusal)))
+                    .bind(id)
+                    .fetch_optional(&mut *tx)
+                    .await
+                    .map_err(Error::repository("retry"))?;
+            match found {
+                None => RetryOutcome::NotFound,
+                Some((state, until)) => {
+                    let state = lossy(state);
+                    match until {
+                        Some(until) if matches!(state.as_str(), "failed" | "dead") => {
+                            RetryOutcome::Leased {
+                                until: parse_timestamp(&until).map_err(|e| {
+                                    Error::decode(id, "claimed_until", format!("{until:?}: {e}"))
+                                })?,
+                            }
+                        }
+                        _ => RetryOutcome::NotRetryable { state },
+                    }
+                }
+            }
+        };
+        tx.commit().await.map_err(Error::repository("retry"))?;
+        Ok(outcome)
+    }
+
+    async fn sweep_unfinishable(&self) -> Result<Vec<PoisonRow>> {
+        let rows: Vec<(Vec<u8>, Option<Vec<u8>>)> =
+            sqlx::query_as(AssertSqlSafe(Arc::clone(&self.sql.sweep_unfinishable)))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(Error::repository("sweep unfinishable rows"))?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, reason)| PoisonRow {
+                id: lossy(id),
+                reason: reason.map(lossy).unwrap_or_default(),
+            })
+            .collect())
     }
 
     async fn next_due_in(&self) -> Result<Option<Duration>> {
@@ -443,6 +540,6 @@ impl OutboxRepository for SqliteOutboxRepository {
                 .fetch_one(&self.pool)
                 .await
                 .map_err(Error::repository("next due"))?;
-        Ok(seconds.map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::ZERO)))
+        Ok(seconds.map(super::repository::due_in))
     }
 }
