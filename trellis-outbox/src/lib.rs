@@ -59,6 +59,7 @@
 #[allow(unused_extern_crates)]
 extern crate self as trellis_outbox;
 
+mod chain;
 #[cfg(feature = "cli")]
 pub mod cli;
 mod dispatch;

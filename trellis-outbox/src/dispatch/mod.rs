@@ -1,7 +1,10 @@
 //! Dispatching: claiming committed rows and delivering them exactly once.
 
 mod dispatcher;
+mod engine;
+mod error;
 mod memory;
+mod options;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod publisher;
@@ -11,12 +14,13 @@ mod retry;
 mod sqlite;
 #[cfg(feature = "postgres")]
 mod wakeup;
+mod worker;
 
-pub use dispatcher::{
-    DispatchError, DispatchOptions, DispatchReport, DispatcherBuilder, DispatcherHandle,
-    Disposition, ErrorCallback, OutboxDispatcher, dispatch_outbox,
-};
+pub use dispatcher::{DispatcherBuilder, DispatcherHandle, OutboxDispatcher};
+pub use engine::dispatch_outbox;
+pub use error::{DispatchError, Disposition, ErrorCallback};
 pub use memory::MemoryOutboxRepository;
+pub use options::{DispatchOptions, DispatchReport};
 #[cfg(feature = "postgres")]
 pub use postgres::PgOutboxRepository;
 pub use publisher::{BoxError, PublishError, Publisher};

@@ -3,6 +3,7 @@
 use std::error::Error as StdError;
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::dispatch::retry::RetryPolicy;
@@ -60,17 +61,7 @@ impl PublishError {
     /// The error and its whole cause chain, `outer: inner: innermost` — what is stored in
     /// `last_error` (upstream stores only a generic message).
     pub fn chain(&self) -> String {
-        let mut text = self.source.to_string();
-        let mut next = self.source.source();
-        while let Some(cause) = next {
-            let cause_text = cause.to_string();
-            if !text.ends_with(&cause_text) {
-                text.push_str(": ");
-                text.push_str(&cause_text);
-            }
-            next = cause.source();
-        }
-        text
+        crate::chain::error_chain(&*self.source)
     }
 }
 
@@ -139,5 +130,24 @@ pub trait Publisher: Send + Sync + 'static {
     fn publish_budget(&self, rows: usize) -> Option<Duration> {
         let _ = rows;
         None
+    }
+}
+
+// Sharing: a dispatcher can run over an `Arc` of a publisher the application also uses
+// elsewhere.
+impl<P: Publisher> Publisher for Arc<P> {
+    fn publish_batch(
+        &self,
+        messages: &[OutboxMessage],
+    ) -> impl Future<Output = Vec<Result<Option<serde_json::Value>, PublishError>>> + Send {
+        (**self).publish_batch(messages)
+    }
+
+    fn on_start(&self, retry_policy: &RetryPolicy) -> impl Future<Output = ()> + Send {
+        (**self).on_start(retry_policy)
+    }
+
+    fn publish_budget(&self, rows: usize) -> Option<Duration> {
+        (**self).publish_budget(rows)
     }
 }

@@ -1,6 +1,7 @@
 //! The storage side of dispatching: claiming due rows under a lease and marking them.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -404,6 +405,89 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// claim only finds rows that no lease holds.
     fn overlaps_batches(&self) -> bool {
         false
+    }
+}
+
+// Sharing: a dispatcher can run over an `Arc` of a repository the application also uses
+// elsewhere (e.g. a `MemoryOutboxRepository` a test inspects).
+
+impl<R: OutboxRepository> OutboxRepository for Arc<R> {
+    fn claim_due(
+        &self,
+        limit: usize,
+        lease: Duration,
+        cutoff: Option<DateTime<Utc>>,
+    ) -> impl Future<Output = Result<Claim>> + Send {
+        (**self).claim_due(limit, lease, cutoff)
+    }
+
+    fn mark_dispatched(
+        &self,
+        claim: &Claim,
+        rows: &[Dispatched],
+    ) -> impl Future<Output = Result<u64>> + Send {
+        (**self).mark_dispatched(claim, rows)
+    }
+
+    fn mark_failed(
+        &self,
+        claim: &Claim,
+        id: &str,
+        error: &str,
+        retry_after: Duration,
+    ) -> impl Future<Output = Result<bool>> + Send {
+        (**self).mark_failed(claim, id, error, retry_after)
+    }
+
+    fn mark_dead(
+        &self,
+        claim: &Claim,
+        id: &str,
+        reason: &str,
+        count_attempt: bool,
+    ) -> impl Future<Output = Result<bool>> + Send {
+        (**self).mark_dead(claim, id, reason, count_attempt)
+    }
+
+    fn release(&self, claim: &Claim, ids: &[&str]) -> impl Future<Output = Result<u64>> + Send {
+        (**self).release(claim, ids)
+    }
+
+    fn mark_failures(
+        &self,
+        claim: &Claim,
+        failures: &[Failure],
+    ) -> impl Future<Output = Result<Vec<String>>> + Send {
+        (**self).mark_failures(claim, failures)
+    }
+
+    fn extend_lease(
+        &self,
+        claim: &Claim,
+        ids: &[&str],
+        lease: Duration,
+    ) -> impl Future<Output = Result<u64>> + Send {
+        (**self).extend_lease(claim, ids, lease)
+    }
+
+    fn retry(&self, id: &str) -> impl Future<Output = Result<RetryOutcome>> + Send {
+        (**self).retry(id)
+    }
+
+    fn sweep_unfinishable(&self) -> impl Future<Output = Result<Vec<PoisonRow>>> + Send {
+        (**self).sweep_unfinishable()
+    }
+
+    fn next_due_in(&self) -> impl Future<Output = Result<Option<Duration>>> + Send {
+        (**self).next_due_in()
+    }
+
+    fn extends_leases(&self) -> bool {
+        (**self).extends_leases()
+    }
+
+    fn overlaps_batches(&self) -> bool {
+        (**self).overlaps_batches()
     }
 }
 

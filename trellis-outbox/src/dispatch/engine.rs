@@ -1,0 +1,269 @@
+//! One drain: claim a batch under a lease, publish it while keeping the lease, mark what
+//! happened, and go on until a claim comes back empty — the one-shot [`dispatch_outbox`]
+//! and every drain of the [`OutboxDispatcher`](crate::OutboxDispatcher) task run this code.
+//!
+//! Like River's producer / executor / completer split, each stage has its own file: this
+//! one claims and sequences batches (overlapping them where the repository allows),
+//! [`publish`] runs the publisher under the lease, [`mark`] records the outcome.
+
+mod mark;
+mod publish;
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+#[cfg(doc)]
+use crate::dispatch::OutboxDispatcher;
+use crate::dispatch::error::{DispatchError, report_error};
+use crate::dispatch::options::{DispatchOptions, DispatchReport};
+use crate::dispatch::publisher::{PublishError, Publisher};
+use crate::dispatch::repository::{Claim, OutboxRepository};
+
+/// Drains the outbox once: claims due rows batch after batch, publishes them, and marks
+/// them, until a claim comes back empty. For applications that schedule dispatching
+/// themselves; [`OutboxDispatcher`] runs the same code.
+///
+/// Rows that fail during this call are not retried within it (they are due again after the
+/// retry policy's delay). Publish failures do not make this function fail: they are counted
+/// in the report and logged with `tracing`.
+///
+/// # Errors
+///
+/// [`DispatchError::InvalidOption`] for out-of-range options, or
+/// [`DispatchError::Repository`] if the repository fails (rows already claimed stay leased
+/// until their lease expires, then are claimed again).
+///
+/// # Examples
+///
+/// ```
+/// use trellis_outbox::{
+///     DispatchOptions, MemoryOutboxRepository, OutboxMessage, PreparedOutboxRecord,
+///     PublishError, Publisher, dispatch_outbox,
+/// };
+///
+/// struct Print;
+///
+/// impl Publisher for Print {
+///     async fn publish_batch(
+///         &self,
+///         messages: &[OutboxMessage],
+///     ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
+///         messages.iter().map(|m| { println!("{} {}", m.subject, m.payload); Ok(None) }).collect()
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let repo = MemoryOutboxRepository::new();
+/// repo.enqueue(&PreparedOutboxRecord::event("A.Happened", "events.v1.A.Happened", &1)?)?;
+/// let report = dispatch_outbox(&repo, &Print, DispatchOptions::new()).await?;
+/// assert_eq!(report.dispatched, 1);
+/// # Ok(()) }
+/// ```
+pub async fn dispatch_outbox<R: OutboxRepository, P: Publisher>(
+    repository: &R,
+    publisher: &P,
+    options: DispatchOptions,
+) -> Result<DispatchReport, DispatchError> {
+    options.validate(publisher)?;
+    let engine = Engine {
+        repo: repository,
+        publisher,
+        options: &options,
+        on_error: None,
+        cancel: None,
+    };
+    let mut wave = Wave::default();
+    engine.wave(&mut wave).await?;
+    Ok(wave.report)
+}
+
+/// The state of one drain wave.
+#[derive(Debug, Default)]
+pub(super) struct Wave {
+    /// The due cutoff of the wave, once the first claim has fixed it.
+    pub(super) cutoff: Option<DateTime<Utc>>,
+    /// What was done so far.
+    pub(super) report: DispatchReport,
+    /// How many rows were claimed so far.
+    pub(super) claimed: u64,
+    /// When the earliest row that failed during the wave is due again (tokio clock).
+    pub(super) retry_at: Option<Instant>,
+}
+
+impl Wave {
+    fn absorb(&mut self, marked: Marked) {
+        self.report.add(marked.report);
+        if let Some(at) = marked.retry_at {
+            earliest(&mut self.retry_at, at);
+        }
+    }
+}
+
+/// A claim and when its lease ends on this process's (tokio) clock.
+///
+/// The deadline is counted from just **before** the claim was sent, so it is never later
+/// than the lease the repository recorded (the repository's clock started counting after).
+struct Leased {
+    claim: Claim,
+    deadline: Instant,
+}
+
+/// A claimed batch after publishing, waiting to be marked.
+struct Published {
+    claim: Claim,
+    /// One result per message; `None` when the batch was not published (or not to the end)
+    /// because its lease could not be kept: nothing of it is marked.
+    results: Option<Vec<Result<Option<serde_json::Value>, PublishError>>>,
+    span: tracing::Span,
+}
+
+/// What marking one batch did.
+#[derive(Debug, Default)]
+struct Marked {
+    report: DispatchReport,
+    /// When the earliest row this batch marked failed is due again (tokio clock).
+    retry_at: Option<Instant>,
+}
+
+/// The drain logic shared by [`dispatch_outbox`] and the dispatcher task.
+pub(super) struct Engine<'a, R, P> {
+    pub(super) repo: &'a R,
+    pub(super) publisher: &'a P,
+    pub(super) options: &'a DispatchOptions,
+    pub(super) on_error: Option<&'a (dyn Fn(&DispatchError) + Send + Sync)>,
+    pub(super) cancel: Option<&'a CancellationToken>,
+}
+
+impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
+    fn cancelled(&self) -> bool {
+        self.cancel.is_some_and(CancellationToken::is_cancelled)
+    }
+
+    fn emit(&self, error: DispatchError) {
+        report_error(self.on_error, &error);
+    }
+
+    /// Claims and handles batches until a claim comes back empty (or shutdown begins).
+    ///
+    /// When the repository [overlaps batches](OutboxRepository::overlaps_batches), batch
+    /// `n` is published while batch `n + 1` is claimed and batch `n - 1` is marked, so a
+    /// batch costs about as long as its slowest stage instead of the sum of all three.
+    pub(super) async fn wave(&self, wave: &mut Wave) -> Result<(), DispatchError> {
+        if self.cancelled() {
+            return Ok(());
+        }
+        let first = self.claim(wave.cutoff).await?;
+        wave.cutoff = Some(first.claim.cutoff);
+        let overlap = self.repo.overlaps_batches();
+        let mut current = Some(first).filter(|leased| !leased.claim.is_empty());
+        // The batch published last, waiting to be marked (overlapping only).
+        let mut unmarked: Option<Published> = None;
+        while let Some(leased) = current.take() {
+            if self.cancelled() {
+                if let Some(published) = unmarked.take() {
+                    self.mark_into(wave, published).await;
+                }
+                self.release(&leased.claim).await;
+                return Ok(());
+            }
+            wave.claimed += leased.claim.len() as u64;
+            let span = tracing::debug_span!(
+                "outbox_batch",
+                rows = leased.claim.len(),
+                token = %leased.claim.token
+            );
+            if !overlap {
+                let published = self.publish(leased, span).await;
+                self.mark_into(wave, published).await;
+                if !self.cancelled() {
+                    current = Some(self.claim(wave.cutoff).await?).filter(|l| !l.claim.is_empty());
+                }
+                continue;
+            }
+            let cutoff = wave.cutoff;
+            let claim_next = async {
+                if self.cancelled() {
+                    None
+                } else {
+                    Some(self.claim(cutoff).await)
+                }
+            };
+            let previous = unmarked.take();
+            let mark_previous = async {
+                match previous {
+                    Some(published) => Some(self.mark(published).await),
+                    None => None,
+                }
+            };
+            let (published, next, marked) =
+                tokio::join!(self.publish(leased, span), claim_next, mark_previous);
+            if let Some(marked) = marked {
+                wave.absorb(marked);
+            }
+            match next {
+                Some(Ok(next)) => {
+                    unmarked = Some(published);
+                    current = Some(next).filter(|l| !l.claim.is_empty());
+                }
+                Some(Err(error)) => {
+                    // Mark what was published before giving up on this wave.
+                    self.mark_into(wave, published).await;
+                    return Err(error);
+                }
+                None => unmarked = Some(published),
+            }
+        }
+        if let Some(published) = unmarked {
+            self.mark_into(wave, published).await;
+        }
+        Ok(())
+    }
+
+    /// Claims one batch.
+    async fn claim(&self, cutoff: Option<DateTime<Utc>>) -> Result<Leased, DispatchError> {
+        let started = Instant::now();
+        let claim = self
+            .repo
+            .claim_due(self.options.batch_size, self.options.lease, cutoff)
+            .await
+            .map_err(DispatchError::repository("claim due rows"))?;
+        Ok(Leased {
+            claim,
+            deadline: deadline(started, self.options.lease),
+        })
+    }
+
+    /// Releases the leases of a claim that will not be attempted (shutdown, or a lease that
+    /// could not be kept), reporting a failure.
+    async fn release(&self, claim: &Claim) {
+        let ids: Vec<&str> = claim
+            .messages
+            .iter()
+            .map(|m| m.id.as_str())
+            .chain(claim.poisoned.iter().map(|p| p.id.as_str()))
+            .collect();
+        match self.repo.release(claim, &ids).await {
+            Ok(released) => tracing::debug!(released, "released rows not attempted"),
+            // The rows stay leased until their lease ends, then are claimed again.
+            Err(source) => self.emit(DispatchError::Repository {
+                operation: "release unattempted rows",
+                source,
+            }),
+        }
+    }
+}
+
+/// `from + duration`, or about 30 years from `from` if that overflows.
+pub(super) fn deadline(from: Instant, duration: Duration) -> Instant {
+    from.checked_add(duration)
+        .unwrap_or_else(|| from + Duration::from_secs(86_400 * 365 * 30))
+}
+
+/// Keeps in `slot` the earlier of its instant and `at`.
+fn earliest(slot: &mut Option<Instant>, at: Instant) {
+    *slot = Some(slot.map_or(at, |t| t.min(at)));
+}

@@ -1,0 +1,183 @@
+//! The executor stage of a drain: runs the publisher on a claimed batch while keeping the
+//! batch's lease, so a row is never published by two holders at once.
+
+use std::panic::AssertUnwindSafe;
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use tokio::time::{Instant, sleep_until};
+use tracing::Instrument;
+
+use super::{Engine, Leased, Published, deadline};
+use crate::dispatch::error::{DispatchError, panic_message};
+use crate::dispatch::publisher::{PublishError, Publisher};
+use crate::dispatch::repository::{Claim, OutboxRepository};
+use crate::error::Error;
+use crate::record::OutboxMessage;
+
+/// Why the lease keeper stopped a publish.
+enum LeaseTrouble {
+    /// Rows of the claim are held by another claim now: the lease was lost.
+    Lost,
+    /// The lease could not be extended and is about to end.
+    Expiring,
+}
+
+impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
+    /// Extends the lease on `ids` of `claim` to a full lease from now. Returns when the
+    /// lease now ends (tokio clock), or `None` when a row is no longer held by the claim.
+    async fn extend(&self, claim: &Claim, ids: &[&str]) -> Result<Option<Instant>, Error> {
+        let started = Instant::now();
+        let lease = self.options.lease;
+        let extended = self.repo.extend_lease(claim, ids, lease).await?;
+        Ok((extended == ids.len() as u64).then(|| deadline(started, lease)))
+    }
+
+    fn extend_failed(&self, source: Error) {
+        self.emit(DispatchError::Repository {
+            operation: "extend a lease",
+            source,
+        });
+    }
+
+    /// How much lease a publish must have left when it starts: the publisher's budget for
+    /// the batch, and at least a third of the lease.
+    fn lease_needed(&self, rows: usize) -> Duration {
+        let third = self.options.lease / 3;
+        self.publisher
+            .publish_budget(rows)
+            .map_or(third, |budget| budget.max(third))
+    }
+
+    /// Publishes a claimed batch while keeping its lease.
+    ///
+    /// A batch whose lease has less left than [`lease_needed`](Self::lease_needed) (it waited
+    /// behind the previous batch, or the broker is slow) has its lease extended first; while
+    /// the publisher runs, the lease is extended whenever two thirds of it have passed. If
+    /// the lease cannot be kept (another claim holds a row now, or the repository cannot
+    /// extend it before it ends), the publish is stopped and nothing of the batch is marked:
+    /// this dispatcher never publishes rows another holder may be publishing.
+    pub(super) async fn publish(&self, leased: Leased, span: tracing::Span) -> Published {
+        let Leased {
+            claim,
+            deadline: mut lease_end,
+        } = leased;
+        if claim.messages.is_empty() {
+            return Published {
+                results: Some(Vec::new()),
+                claim,
+                span,
+            };
+        }
+        let kept = async {
+            let ids: Vec<&str> = claim.messages.iter().map(|m| m.id.as_str()).collect();
+            let extends = self.repo.extends_leases();
+            if lease_end.saturating_duration_since(Instant::now()) < self.lease_needed(ids.len()) {
+                if !extends {
+                    return Err(LeaseTrouble::Expiring);
+                }
+                match self.extend(&claim, &ids).await {
+                    Ok(Some(at)) => lease_end = at,
+                    Ok(None) => return Err(LeaseTrouble::Lost),
+                    Err(source) => {
+                        self.extend_failed(source);
+                        return Err(LeaseTrouble::Expiring);
+                    }
+                }
+            }
+            let lease = self.options.lease;
+            let keeper = async {
+                if !extends {
+                    // Stop before the lease ends rather than publish past it.
+                    sleep_until(lease_end.checked_sub(lease / 10).unwrap_or(lease_end)).await;
+                    return LeaseTrouble::Expiring;
+                }
+                loop {
+                    sleep_until(lease_end.checked_sub(lease / 3).unwrap_or(lease_end)).await;
+                    match self.extend(&claim, &ids).await {
+                        Ok(Some(at)) => lease_end = at,
+                        Ok(None) => return LeaseTrouble::Lost,
+                        Err(source) => {
+                            self.extend_failed(source);
+                            let left = lease_end.saturating_duration_since(Instant::now());
+                            let pause = (lease / 10).max(Duration::from_millis(10));
+                            if left <= pause {
+                                return LeaseTrouble::Expiring;
+                            }
+                            tokio::time::sleep(pause).await;
+                        }
+                    }
+                }
+            };
+            tokio::select! {
+                biased;
+                results = self.call_publisher(&claim.messages) => Ok(results),
+                trouble = keeper => Err(trouble),
+            }
+        }
+        .instrument(span.clone())
+        .await;
+        let results = match kept {
+            Ok(results) => Some(results),
+            Err(trouble) => {
+                let rows = claim.messages.len() as u64;
+                self.emit(DispatchError::LeaseLost { rows });
+                if matches!(trouble, LeaseTrouble::Lost) {
+                    tracing::warn!(
+                        rows,
+                        "lost the lease of a batch while publishing it; stopped"
+                    );
+                }
+                // Rows this claim still holds become claimable at once.
+                self.release(&claim).await;
+                None
+            }
+        };
+        Published {
+            claim,
+            results,
+            span,
+        }
+    }
+
+    /// Calls the publisher, turning a panic or a wrong number of results into per-message
+    /// retryable errors.
+    async fn call_publisher(
+        &self,
+        messages: &[OutboxMessage],
+    ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
+        let publishing = AssertUnwindSafe(self.publisher.publish_batch(messages)).catch_unwind();
+        let mut results = match publishing.await {
+            Ok(results) => results,
+            Err(panic) => {
+                let message = panic_message(&*panic);
+                let results = messages
+                    .iter()
+                    .map(|_| {
+                        Err(PublishError::retryable(format!(
+                            "the publisher panicked: {message}"
+                        )))
+                    })
+                    .collect();
+                self.emit(DispatchError::Panicked {
+                    what: "publisher",
+                    message,
+                });
+                return results;
+            }
+        };
+        if results.len() != messages.len() {
+            self.emit(DispatchError::PublisherContract {
+                expected: messages.len(),
+                returned: results.len(),
+            });
+            results.truncate(messages.len());
+            while results.len() < messages.len() {
+                results.push(Err(PublishError::retryable(
+                    "the publisher returned no result for this message",
+                )));
+            }
+        }
+        results
+    }
+}

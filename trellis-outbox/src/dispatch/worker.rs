@@ -1,0 +1,254 @@
+//! When to drain: the dispatcher task's loop. It drains at start (after the publisher's
+//! start-up checks and the sweep of unfinishable rows), then whenever notified (debounced),
+//! when the earliest failed row is due again, and every idle interval; it backs off after
+//! repository errors.
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::pin;
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use tokio::sync::mpsc;
+use tokio::time::{Instant, sleep_until};
+use tokio_util::sync::CancellationToken;
+
+use crate::dispatch::engine::{Engine, Wave, deadline};
+use crate::dispatch::error::{DispatchError, ErrorCallback, report_error};
+use crate::dispatch::options::{DispatchOptions, DispatchReport};
+use crate::dispatch::publisher::Publisher;
+use crate::dispatch::repository::{OutboxRepository, PoisonRow};
+use crate::dispatch::retry::MIN_RETRY_DELAY;
+
+/// The dispatcher task.
+pub(super) struct Worker<R, P> {
+    pub(super) repo: R,
+    pub(super) publisher: P,
+    pub(super) options: DispatchOptions,
+    pub(super) debounce: Duration,
+    pub(super) max_wait: Duration,
+    pub(super) idle_interval: Duration,
+    pub(super) on_error: Option<ErrorCallback>,
+    pub(super) cancel: CancellationToken,
+    pub(super) wake: mpsc::Receiver<()>,
+}
+
+/// Why the worker's wait ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wake {
+    Stop,
+    Drain,
+}
+
+impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
+    pub(super) async fn run(mut self) {
+        tracing::debug!("outbox dispatcher started");
+        if !self.start_up().await {
+            return;
+        }
+        // Consecutive failed drains (repository errors): drives the backoff.
+        let mut errors: u32 = 0;
+        // Consecutive drains that claimed nothing although the repository said a row was due.
+        let mut idle_due: u32 = 0;
+        loop {
+            let claimed = match guarded("repository", self.drain()).await {
+                Ok(claimed) => {
+                    errors = 0;
+                    Some(claimed)
+                }
+                Err(error) => {
+                    errors = errors.saturating_add(1);
+                    self.report(&error);
+                    None
+                }
+            };
+            if self.cancel.is_cancelled() {
+                break;
+            }
+            let retry_at = match claimed {
+                Some(claimed) => match self.next_due_in().await {
+                    Ok(None) => {
+                        idle_due = 0;
+                        None
+                    }
+                    Ok(Some(due_in)) => {
+                        let due_in = if claimed == 0 && due_in.is_zero() {
+                            // Due now, yet the drain found nothing: a row became due in
+                            // between (try again at once), or the repository disagrees with
+                            // itself (back off instead of spinning).
+                            idle_due = idle_due.saturating_add(1);
+                            if idle_due == 1 {
+                                MIN_RETRY_DELAY
+                            } else {
+                                self.options.retry_policy.delay(idle_due - 1)
+                            }
+                        } else {
+                            idle_due = 0;
+                            due_in.max(MIN_RETRY_DELAY)
+                        };
+                        Some(deadline(Instant::now(), due_in))
+                    }
+                    Err(error) => {
+                        errors = 1;
+                        self.report(&error);
+                        Some(deadline(
+                            Instant::now(),
+                            self.options.retry_policy.delay(errors),
+                        ))
+                    }
+                },
+                None => Some(deadline(
+                    Instant::now(),
+                    self.options.retry_policy.delay(errors),
+                )),
+            };
+            if let Some(at) = retry_at {
+                tracing::trace!(in_ms = ?at.saturating_duration_since(Instant::now()), "retry timer armed");
+            }
+            if self.wait(retry_at, errors > 0).await == Wake::Stop {
+                break;
+            }
+        }
+        tracing::debug!("outbox dispatcher stopped");
+    }
+
+    /// What the task does once before its first drain: the publisher's start-up checks,
+    /// then the sweep of rows no claim can finish (unknown state, NULL id), which go dead,
+    /// each reported once. Returns `false` if shutdown began meanwhile.
+    async fn start_up(&self) -> bool {
+        let starting = guarded("publisher", async {
+            self.publisher.on_start(&self.options.retry_policy).await;
+            Ok(())
+        });
+        tokio::select! {
+            biased;
+            () = self.cancel.cancelled() => return false,
+            started = starting => if let Err(error) = started {
+                self.report(&error);
+            },
+        }
+        let sweeping = guarded("repository", async {
+            self.repo
+                .sweep_unfinishable()
+                .await
+                .map_err(DispatchError::repository("sweep unfinishable rows"))
+        });
+        match sweeping.await {
+            Ok(rows) => rows.into_iter().for_each(|PoisonRow { id, reason, .. }| {
+                self.report(&DispatchError::Poisoned { id, reason });
+            }),
+            Err(error) => self.report(&error),
+        }
+        true
+    }
+
+    fn report(&self, error: &DispatchError) {
+        report_error(self.on_error.as_deref(), error);
+    }
+
+    async fn next_due_in(&self) -> Result<Option<Duration>, DispatchError> {
+        guarded("repository", async {
+            self.repo
+                .next_due_in()
+                .await
+                .map_err(DispatchError::repository("compute the next due time"))
+        })
+        .await
+    }
+
+    /// One drain: passes of waves until no notify arrived during the last pass. Returns how
+    /// many rows were claimed.
+    async fn drain(&mut self) -> Result<u64, DispatchError> {
+        let engine = Engine {
+            repo: &self.repo,
+            publisher: &self.publisher,
+            options: &self.options,
+            on_error: self.on_error.as_deref(),
+            cancel: Some(&self.cancel),
+        };
+        let mut wave = Wave::default();
+        let mut total = DispatchReport::default();
+        let mut claimed = 0;
+        loop {
+            // Notifies that arrived before this pass are served by it.
+            while self.wake.try_recv().is_ok() {}
+            // A failed row came due during the drain: this pass gets a fresh cutoff, so it
+            // is retried (spec §A.5: retryDue).
+            let cutoff = if wave.retry_at.is_some_and(|at| at <= Instant::now()) {
+                None
+            } else {
+                wave.cutoff
+            };
+            wave = Wave {
+                cutoff,
+                retry_at: wave.retry_at.filter(|at| *at > Instant::now()),
+                ..Wave::default()
+            };
+            engine.wave(&mut wave).await?;
+            total.add(wave.report);
+            claimed += wave.claimed;
+            // One more pass if notified during this one.
+            if self.cancel.is_cancelled() || self.wake.try_recv().is_err() {
+                break;
+            }
+        }
+        if claimed > 0 {
+            tracing::debug!(
+                dispatched = total.dispatched,
+                failed = total.failed,
+                dead = total.dead,
+                "outbox drained"
+            );
+        }
+        Ok(claimed)
+    }
+
+    /// Waits for the next reason to drain: the retry timer, the idle poll, or a notify
+    /// (debounced). Notifies are ignored (kept pending) while backing off after errors.
+    async fn wait(&mut self, retry_at: Option<Instant>, backing_off: bool) -> Wake {
+        let mut retry = pin!(async move {
+            match retry_at {
+                Some(at) => sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        });
+        let idle = sleep_until(deadline(Instant::now(), self.idle_interval));
+        tokio::select! {
+            biased;
+            () = self.cancel.cancelled() => return Wake::Stop,
+            () = &mut retry => return Wake::Drain,
+            () = idle => return Wake::Drain,
+            Some(()) = self.wake.recv(), if !backing_off => {}
+        }
+        if self.debounce.is_zero() {
+            return Wake::Drain;
+        }
+        let first = Instant::now();
+        let latest = deadline(first, self.max_wait);
+        let mut at = deadline(first, self.debounce).min(latest);
+        loop {
+            tokio::select! {
+                biased;
+                () = self.cancel.cancelled() => return Wake::Stop,
+                // A retry wakeup skips the debounce.
+                () = &mut retry => return Wake::Drain,
+                () = sleep_until(at) => return Wake::Drain,
+                Some(()) = self.wake.recv() => {
+                    at = deadline(Instant::now(), self.debounce).min(latest);
+                }
+            }
+        }
+    }
+}
+
+/// Runs `future`, turning a panic in it into [`DispatchError::Panicked`] naming `what`
+/// panicked, so a panicking publisher or repository cannot end the task.
+async fn guarded<T>(
+    what: &'static str,
+    future: impl Future<Output = Result<T, DispatchError>>,
+) -> Result<T, DispatchError> {
+    match AssertUnwindSafe(future).catch_unwind().await {
+        Ok(result) => result,
+        Err(panic) => Err(DispatchError::panicked(what, &*panic)),
+    }
+}
