@@ -74,6 +74,7 @@ mod outbox;
 mod postgres;
 mod record;
 mod row;
+mod setters;
 mod sql;
 #[cfg(feature = "sqlite")]
 mod sqlite;

@@ -50,35 +50,25 @@ impl<R, P> fmt::Debug for DispatcherBuilder<R, P> {
 impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
     option_setters!(options);
 
-    /// Sets batch size, lease and retry policy at once.
-    pub fn options(mut self, options: DispatchOptions) -> Self {
-        self.options = options;
-        self
-    }
+    crate::setters::setters! {
+        /// Sets batch size, lease and retry policy at once.
+        options(options: DispatchOptions) => options;
 
-    /// How long to wait after a [`notify`](OutboxDispatcher::notify) for more notifies
-    /// before draining (default zero: drain at once). Each notify restarts the window, but
-    /// never beyond [`max_wait`](Self::max_wait) after the first one. Retry wakeups, the
-    /// idle poll and the start-up drain skip the debounce.
-    pub fn debounce(mut self, debounce: Duration) -> Self {
-        self.debounce = debounce;
-        self
-    }
+        /// How long to wait after a [`notify`](OutboxDispatcher::notify) for more notifies
+        /// before draining (default zero: drain at once). Each notify restarts the window,
+        /// but never beyond [`max_wait`](Self::max_wait) after the first one. Retry wakeups,
+        /// the idle poll and the start-up drain skip the debounce.
+        debounce(debounce: Duration) => debounce;
 
-    /// The longest a drain can be postponed by a stream of notifies during the debounce
-    /// (default 100 ms), so frequent notifies cannot starve the drain. A `max_wait` shorter
-    /// than the debounce shortens the debounce to it.
-    pub fn max_wait(mut self, max_wait: Duration) -> Self {
-        self.max_wait = max_wait;
-        self
-    }
+        /// The longest a drain can be postponed by a stream of notifies during the debounce
+        /// (default 100 ms), so frequent notifies cannot starve the drain. A `max_wait`
+        /// shorter than the debounce shortens the debounce to it.
+        max_wait(max_wait: Duration) => max_wait;
 
-    /// How often to drain when nothing else triggers it (default 5 s): a safety net for
-    /// notifies that never came (another process enqueued, a notify was lost). Must be at
-    /// least 1 ms.
-    pub fn idle_interval(mut self, interval: Duration) -> Self {
-        self.idle_interval = interval;
-        self
+        /// How often to drain when nothing else triggers it (default 5 s): a safety net for
+        /// notifies that never came (another process enqueued, a notify was lost). Must be
+        /// at least 1 ms.
+        idle_interval(interval: Duration) => idle_interval;
     }
 
     /// Called with every [`DispatchError`]: repository errors, publish failures, rows moved
@@ -412,22 +402,14 @@ async fn listen(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dispatch::publisher::PublishError;
-    use crate::record::OutboxMessage;
+    use crate::dispatch::publisher::TestPublisher;
 
     #[test]
     fn start_outside_a_runtime_is_an_error() {
         let repo = crate::MemoryOutboxRepository::new();
-        struct Never;
-        impl Publisher for Never {
-            async fn publish_batch(
-                &self,
-                messages: &[OutboxMessage],
-            ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
-                messages.iter().map(|_| Ok(None)).collect()
-            }
-        }
-        let err = OutboxDispatcher::builder(repo, Never).start().unwrap_err();
+        let err = OutboxDispatcher::builder(repo, TestPublisher(None))
+            .start()
+            .unwrap_err();
         assert!(matches!(err, DispatchError::NoRuntime));
     }
 }

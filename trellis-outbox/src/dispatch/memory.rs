@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
 
-use crate::dispatch::repository::{Claim, Dispatched, OutboxRepository, PoisonRow, RetryOutcome};
+use crate::dispatch::repository::{
+    Claim, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow, RetryOutcome,
+};
 use crate::error::Result;
 use crate::record::{OutboxMessage, OutboxMessageState, ToOutboxRecord, new_id};
 
@@ -85,6 +87,13 @@ impl Row {
     fn release_lease(&mut self) {
         self.claimed_until = None;
         self.claim_token = None;
+    }
+
+    /// What every mark does besides changing the row: stamps `updated_at` and releases the
+    /// lease, so the row is no longer held by the claim that marked it.
+    fn settle(&mut self, now: DateTime<Utc>) {
+        self.message.updated_at = now;
+        self.release_lease();
     }
 }
 
@@ -206,8 +215,9 @@ impl MemoryOutboxRepository {
         })
     }
 
-    /// Applies `change` to every row of `ids` still held by `claim`; returns how many.
-    fn with_held(
+    /// Applies `change` to every row of `ids` still held by `claim` (the fence every mark,
+    /// extension and release goes through); returns how many rows it changed.
+    fn for_held(
         &self,
         claim: &Claim,
         ids: impl IntoIterator<Item = impl AsRef<str>>,
@@ -223,12 +233,34 @@ impl MemoryOutboxRepository {
             let row = &mut inner.rows[i];
             if row.held_by(&claim.token) {
                 change(row, now);
-                row.message.updated_at = now;
-                row.release_lease();
                 changed += 1;
             }
         }
         changed
+    }
+
+    /// Marks one failed row as `failure` says; `true` if the claim still held it.
+    fn mark_failure(&self, claim: &Claim, failure: &Failure) -> bool {
+        self.for_held(claim, [&failure.id], |row, now| {
+            let m = &mut row.message;
+            let (state, counts, next_attempt_at) = match failure.outcome {
+                FailureOutcome::Retry { after } => (
+                    OutboxMessageState::Failed,
+                    true,
+                    Some(truncate_millis(add(now, after))),
+                ),
+                FailureOutcome::Dead { count_attempt } => {
+                    (OutboxMessageState::Dead, count_attempt, None)
+                }
+            };
+            m.state = state;
+            if counts {
+                m.attempts = m.attempts.saturating_add(1);
+            }
+            m.last_error = Some(failure.error.clone());
+            m.next_attempt_at = next_attempt_at;
+            row.settle(now);
+        }) == 1
     }
 }
 
@@ -279,13 +311,16 @@ impl OutboxRepository for MemoryOutboxRepository {
     async fn mark_dispatched(&self, claim: &Claim, rows: &[Dispatched]) -> Result<u64> {
         let outcomes: HashMap<&str, &Option<serde_json::Value>> =
             rows.iter().map(|r| (r.id.as_str(), &r.outcome)).collect();
-        Ok(self.with_held(claim, rows.iter().map(|r| &r.id), |row, _| {
-            let m = &mut row.message;
-            m.state = OutboxMessageState::Dispatched;
-            m.next_attempt_at = None;
-            m.last_error = None;
-            m.outcome = outcomes.get(m.id.as_str()).copied().cloned().flatten();
-        }))
+        Ok(
+            self.for_held(claim, rows.iter().map(|r| &r.id), |row, now| {
+                let m = &mut row.message;
+                m.state = OutboxMessageState::Dispatched;
+                m.next_attempt_at = None;
+                m.last_error = None;
+                m.outcome = outcomes.get(m.id.as_str()).copied().cloned().flatten();
+                row.settle(now);
+            }),
+        )
     }
 
     async fn mark_failed(
@@ -295,13 +330,7 @@ impl OutboxRepository for MemoryOutboxRepository {
         error: &str,
         retry_after: Duration,
     ) -> Result<bool> {
-        Ok(self.with_held(claim, [id], |row, now| {
-            let m = &mut row.message;
-            m.state = OutboxMessageState::Failed;
-            m.attempts = m.attempts.saturating_add(1);
-            m.last_error = Some(error.to_owned());
-            m.next_attempt_at = Some(truncate_millis(add(now, retry_after)));
-        }) == 1)
+        Ok(self.mark_failure(claim, &Failure::retry(id, error, retry_after)))
     }
 
     async fn mark_dead(
@@ -311,15 +340,15 @@ impl OutboxRepository for MemoryOutboxRepository {
         reason: &str,
         count_attempt: bool,
     ) -> Result<bool> {
-        Ok(self.with_held(claim, [id], |row, _| {
-            let m = &mut row.message;
-            m.state = OutboxMessageState::Dead;
-            if count_attempt {
-                m.attempts = m.attempts.saturating_add(1);
-            }
-            m.last_error = Some(reason.to_owned());
-            m.next_attempt_at = None;
-        }) == 1)
+        Ok(self.mark_failure(claim, &Failure::dead(id, reason, count_attempt)))
+    }
+
+    async fn mark_failures(&self, claim: &Claim, failures: &[Failure]) -> Result<Vec<String>> {
+        Ok(failures
+            .iter()
+            .filter(|failure| self.mark_failure(claim, failure))
+            .map(|failure| failure.id.clone())
+            .collect())
     }
 
     fn extends_leases(&self) -> bool {
@@ -327,34 +356,13 @@ impl OutboxRepository for MemoryOutboxRepository {
     }
 
     async fn extend_lease(&self, claim: &Claim, ids: &[&str], lease: Duration) -> Result<u64> {
-        let until = add(self.now(), lease);
-        let mut inner = self.lock();
-        let mut extended = 0;
-        for id in ids {
-            if let Some(&i) = inner.index.get(*id) {
-                let row = &mut inner.rows[i];
-                if row.held_by(&claim.token) {
-                    row.claimed_until = Some(until);
-                    extended += 1;
-                }
-            }
-        }
-        Ok(extended)
+        Ok(self.for_held(claim, ids, |row, now| {
+            row.claimed_until = Some(add(now, lease));
+        }))
     }
 
     async fn release(&self, claim: &Claim, ids: &[&str]) -> Result<u64> {
-        let mut inner = self.lock();
-        let mut released = 0;
-        for id in ids {
-            if let Some(&i) = inner.index.get(*id) {
-                let row = &mut inner.rows[i];
-                if row.held_by(&claim.token) {
-                    row.release_lease();
-                    released += 1;
-                }
-            }
-        }
-        Ok(released)
+        Ok(self.for_held(claim, ids, |row, _| row.release_lease()))
     }
 
     async fn retry(&self, id: &str) -> Result<RetryOutcome> {
@@ -423,248 +431,4 @@ fn truncate_millis(time: DateTime<Utc>) -> DateTime<Utc> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::record::PreparedOutboxRecord;
-    use chrono::TimeZone;
-
-    const LEASE: Duration = Duration::from_secs(30);
-    const SEC: Duration = Duration::from_secs(1);
-
-    fn start() -> DateTime<Utc> {
-        Utc.with_ymd_and_hms(2026, 5, 25, 0, 0, 0).unwrap()
-    }
-
-    fn record(id: &str) -> PreparedOutboxRecord {
-        let mut r =
-            PreparedOutboxRecord::event("Thing.Changed", "events.v1.Thing.Changed", &1).unwrap();
-        r.id = id.to_owned();
-        r
-    }
-
-    fn ids(claim: &Claim) -> Vec<&str> {
-        claim.messages.iter().map(|m| m.id.as_str()).collect()
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn clock_follows_tokio_time() {
-        let repo = MemoryOutboxRepository::starting_at(start());
-        assert_eq!(repo.now(), start());
-        tokio::time::advance(Duration::from_millis(1500)).await;
-        assert_eq!(repo.now(), start() + TimeDelta::milliseconds(1500));
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn enqueue_is_idempotent_and_validates() {
-        let repo = MemoryOutboxRepository::starting_at(start());
-        let first = repo.enqueue(&record("a")).unwrap();
-        tokio::time::advance(Duration::from_secs(1)).await;
-        let mut changed = record("a");
-        changed.payload = "2".into();
-        assert_eq!(repo.enqueue(&changed).unwrap(), first);
-        assert_eq!(repo.get("a").unwrap().payload, "1");
-        let mut bad = record("b");
-        bad.subject = "a.*".into();
-        assert!(matches!(
-            repo.enqueue(&bad),
-            Err(crate::Error::InvalidRecord { .. })
-        ));
-        assert_eq!(repo.snapshot().len(), 1);
-        assert!(repo.get("b").is_none());
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn claims_in_created_at_then_id_order_and_leases() {
-        let repo = MemoryOutboxRepository::starting_at(start());
-        repo.enqueue(&record("z-old")).unwrap();
-        tokio::time::advance(Duration::from_millis(1)).await;
-        for id in ["c", "a", "b"] {
-            repo.enqueue(&record(id)).unwrap();
-        }
-        let first = repo.claim_due(3, LEASE, None).await.unwrap();
-        assert_eq!(ids(&first), ["z-old", "a", "b"]);
-        assert!(repo.is_leased("a"));
-        let second = repo.claim_due(10, LEASE, None).await.unwrap();
-        assert_eq!(ids(&second), ["c"]);
-        assert_ne!(first.token, second.token);
-        assert!(repo.claim_due(10, LEASE, None).await.unwrap().is_empty());
-        assert!(repo.claim_due(0, LEASE, None).await.unwrap().is_empty());
-        // Every row is leased: the next one is claimable when the leases expire.
-        assert_eq!(repo.next_due_in().await.unwrap(), Some(LEASE));
-        tokio::time::advance(LEASE).await;
-        assert_eq!(repo.next_due_in().await.unwrap(), Some(Duration::ZERO));
-        assert_eq!(repo.claim_due(10, LEASE, None).await.unwrap().len(), 4);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn expired_lease_is_reclaimed_and_stale_token_cannot_mark() {
-        let repo = MemoryOutboxRepository::starting_at(start());
-        repo.enqueue(&record("a")).unwrap();
-        let stale = repo.claim_due(10, LEASE, None).await.unwrap();
-        tokio::time::advance(LEASE).await;
-        let fresh = repo.claim_due(10, LEASE, None).await.unwrap();
-        assert_eq!(ids(&fresh), ["a"]);
-        assert_eq!(
-            repo.mark_dispatched(&stale, &[Dispatched::new("a")])
-                .await
-                .unwrap(),
-            0
-        );
-        assert!(!repo.mark_failed(&stale, "a", "x", LEASE).await.unwrap());
-        assert!(!repo.mark_dead(&stale, "a", "x", true).await.unwrap());
-        assert_eq!(repo.release(&stale, &["a"]).await.unwrap(), 0);
-        assert_eq!(repo.get("a").unwrap().state, OutboxMessageState::Pending);
-        let outcome = serde_json::json!({"ok": true});
-        assert_eq!(
-            repo.mark_dispatched(&fresh, &[Dispatched::with_outcome("a", outcome.clone())])
-                .await
-                .unwrap(),
-            1
-        );
-        let row = repo.get("a").unwrap();
-        assert_eq!(row.state, OutboxMessageState::Dispatched);
-        assert_eq!(row.outcome, Some(outcome));
-        assert_eq!(row.updated_at, start() + TimeDelta::seconds(30));
-        assert!(!repo.is_leased("a"));
-        // A second mark with the same token changes nothing: the lease is gone.
-        assert_eq!(
-            repo.mark_dispatched(&fresh, &[Dispatched::new("a")])
-                .await
-                .unwrap(),
-            0
-        );
-        assert_eq!(repo.next_due_in().await.unwrap(), None);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn failed_rows_respect_next_attempt_and_cutoff() {
-        let repo = MemoryOutboxRepository::starting_at(start());
-        repo.enqueue(&record("a")).unwrap();
-        let claim = repo.claim_due(10, LEASE, None).await.unwrap();
-        assert_eq!(claim.cutoff, start());
-        assert!(
-            repo.mark_failed(&claim, "a", "boom", Duration::from_secs(5))
-                .await
-                .unwrap()
-        );
-        let row = repo.get("a").unwrap();
-        assert_eq!(row.state, OutboxMessageState::Failed);
-        assert_eq!(row.attempts, 1);
-        assert_eq!(row.last_error.as_deref(), Some("boom"));
-        assert_eq!(row.next_attempt_at, Some(start() + TimeDelta::seconds(5)));
-        assert_eq!(
-            repo.next_due_in().await.unwrap(),
-            Some(Duration::from_secs(5))
-        );
-        tokio::time::advance(Duration::from_secs(5)).await;
-        // Due now, but not for a claim that keeps the old wave's cutoff.
-        assert!(
-            repo.claim_due(10, LEASE, Some(claim.cutoff))
-                .await
-                .unwrap()
-                .is_empty()
-        );
-        assert_eq!(repo.next_due_in().await.unwrap(), Some(Duration::ZERO));
-        let again = repo.claim_due(10, LEASE, None).await.unwrap();
-        assert_eq!(ids(&again), ["a"]);
-        assert_eq!(again.messages[0].attempts, 1);
-        assert!(repo.mark_dead(&again, "a", "gave up", true).await.unwrap());
-        let row = repo.get("a").unwrap();
-        assert_eq!(
-            (row.state, row.attempts, row.last_error.as_deref()),
-            (OutboxMessageState::Dead, 2, Some("gave up"))
-        );
-        assert!(repo.claim_due(10, LEASE, None).await.unwrap().is_empty());
-        assert_eq!(repo.next_due_in().await.unwrap(), None);
-        // An operator's retry makes it pending and due at once.
-        assert_eq!(repo.retry("a").await.unwrap(), RetryOutcome::Retried);
-        assert_eq!(
-            repo.retry("a").await.unwrap(),
-            RetryOutcome::NotRetryable {
-                state: "pending".into()
-            }
-        );
-        assert_eq!(repo.retry("missing").await.unwrap(), RetryOutcome::NotFound);
-        let row = repo.get("a").unwrap();
-        assert_eq!((row.state, row.attempts), (OutboxMessageState::Pending, 0));
-        assert_eq!(repo.next_due_in().await.unwrap(), Some(Duration::ZERO));
-    }
-
-    // Issue #10 defect 7: an operator's retry must not reset a failed row a dispatcher
-    // holds again, or the holder's marks are fenced out while another claim publishes it.
-    #[tokio::test(start_paused = true)]
-    async fn retry_refuses_a_row_under_a_live_lease() {
-        let repo = MemoryOutboxRepository::starting_at(start());
-        repo.enqueue(&record("a")).unwrap();
-        let first = repo.claim_due(10, LEASE, None).await.unwrap();
-        assert!(repo.mark_failed(&first, "a", "boom", SEC).await.unwrap());
-        tokio::time::advance(SEC).await;
-        let holder = repo.claim_due(10, LEASE, None).await.unwrap();
-        assert_eq!(ids(&holder), ["a"]);
-        let until = start() + TimeDelta::seconds(31);
-        assert_eq!(
-            repo.retry("a").await.unwrap(),
-            RetryOutcome::Leased { until }
-        );
-        assert!(repo.claim_due(10, LEASE, None).await.unwrap().is_empty());
-        // The holder still owns the row: its mark lands.
-        assert!(repo.mark_failed(&holder, "a", "again", SEC).await.unwrap());
-        assert_eq!(repo.get("a").unwrap().attempts, 2);
-        // A lease that expired does not hold the row.
-        tokio::time::advance(SEC).await;
-        let lapsed = repo.claim_due(10, LEASE, None).await.unwrap();
-        assert_eq!(ids(&lapsed), ["a"]);
-        tokio::time::advance(LEASE).await;
-        assert_eq!(repo.retry("a").await.unwrap(), RetryOutcome::Retried);
-        let row = repo.get("a").unwrap();
-        assert_eq!((row.state, row.attempts), (OutboxMessageState::Pending, 0));
-        assert!(!repo.mark_failed(&lapsed, "a", "late", SEC).await.unwrap());
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn next_due_in_is_the_earliest_deadline() {
-        let repo = MemoryOutboxRepository::starting_at(start());
-        for id in ["late", "early"] {
-            repo.enqueue(&record(id)).unwrap();
-        }
-        let claim = repo.claim_due(10, LEASE, None).await.unwrap();
-        assert!(
-            repo.mark_failed(&claim, "late", "x", Duration::from_secs(9))
-                .await
-                .unwrap()
-        );
-        assert!(
-            repo.mark_failed(&claim, "early", "x", Duration::from_secs(2))
-                .await
-                .unwrap()
-        );
-        assert_eq!(
-            repo.next_due_in().await.unwrap(),
-            Some(Duration::from_secs(2))
-        );
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn poisoned_rows_and_release() {
-        let repo = MemoryOutboxRepository::starting_at(start());
-        repo.enqueue_undecodable(&record("a-bad"), "unknown kind \"job.cancel\"")
-            .unwrap();
-        repo.enqueue(&record("b")).unwrap();
-        let claim = repo.claim_due(10, LEASE, None).await.unwrap();
-        assert_eq!(ids(&claim), ["b"]);
-        assert_eq!(claim.poisoned.len(), 1);
-        assert_eq!(claim.poisoned[0].id, "a-bad");
-        assert_eq!(claim.len(), 2);
-        assert_eq!(repo.release(&claim, &["b", "missing"]).await.unwrap(), 1);
-        assert!(!repo.is_leased("b"));
-        assert!(
-            repo.mark_dead(&claim, "a-bad", "unknown kind", false)
-                .await
-                .unwrap()
-        );
-        assert_eq!(repo.get("a-bad").unwrap().attempts, 0);
-        let again = repo.claim_due(10, LEASE, None).await.unwrap();
-        assert_eq!(ids(&again), ["b"]);
-        assert!(again.poisoned.is_empty());
-    }
-}
+mod tests;

@@ -14,33 +14,26 @@ use crate::dispatch::{DispatcherBuilder, OutboxDispatcher, dispatch_outbox};
 /// its `options` field), so the two cannot drift apart in rules or documentation.
 macro_rules! option_setters {
     ($($options:ident)?) => {
-        /// How many rows each claim takes (default 100). Must be between 1 and 100,000.
-        pub fn batch_size(mut self, rows: usize) -> Self {
-            self$(.$options)?.batch_size = rows;
-            self
-        }
+        crate::setters::setters! {
+            /// How many rows each claim takes (default 100). Must be between 1 and 100,000.
+            batch_size(rows: usize) => $($options.)? batch_size;
 
-        /// How long claimed rows stay reserved for this dispatcher (default 30 s). Must be
-        /// between 1 ms and 24 h, and longer than the publisher's
-        /// [`publish_budget`](crate::Publisher::publish_budget) for a full batch.
-        ///
-        /// The dispatcher keeps the lease while it publishes: a batch that has less than its
-        /// budget (or a third of the lease) left when its publish starts is extended first,
-        /// and a running publish extends it whenever two thirds have passed. If the lease
-        /// cannot be kept — another claim took a row, or the repository cannot extend it
-        /// before it ends — the publish is stopped and the batch released, so two
-        /// dispatchers never publish a row at the same time. A crashed dispatcher's rows
-        /// wait for their lease to end.
-        pub fn lease(mut self, lease: std::time::Duration) -> Self {
-            self$(.$options)?.lease = lease;
-            self
-        }
+            /// How long claimed rows stay reserved for this dispatcher (default 30 s). Must
+            /// be between 1 ms and 24 h, and longer than the publisher's
+            /// [`publish_budget`](crate::Publisher::publish_budget) for a full batch.
+            ///
+            /// The dispatcher keeps the lease while it publishes: a batch that has less than
+            /// its budget (or a third of the lease) left when its publish starts is extended
+            /// first, and a running publish extends it whenever two thirds have passed. If
+            /// the lease cannot be kept — another claim took a row, or the repository cannot
+            /// extend it before it ends — the publish is stopped and the batch released, so
+            /// two dispatchers never publish a row at the same time. A crashed dispatcher's
+            /// rows wait for their lease to end.
+            lease(lease: std::time::Duration) => $($options.)? lease;
 
-        /// When failed rows are retried and when they are given up (default
-        /// [`RetryPolicy::default`](crate::RetryPolicy::default)).
-        pub fn retry_policy(mut self, policy: crate::RetryPolicy) -> Self {
-            self$(.$options)?.retry_policy = policy;
-            self
+            /// When failed rows are retried and when they are given up (default
+            /// [`RetryPolicy::default`](crate::RetryPolicy::default)).
+            retry_policy(policy: crate::RetryPolicy) => $($options.)? retry_policy;
         }
     };
 }
@@ -50,6 +43,13 @@ pub(super) use option_setters;
 const MAX_BATCH_SIZE: usize = 100_000;
 /// The longest [`DispatchOptions::lease`].
 const MAX_LEASE: Duration = Duration::from_secs(24 * 3600);
+
+const BATCH_TOO_LARGE: &str =
+    "must be at most 100,000 rows (a claim holds its whole batch in memory)";
+const LEASE_TOO_LONG: &str =
+    "must be at most 24 hours (a crashed dispatcher's rows wait that long)";
+const LEASE_WITHIN_BUDGET: &str = "must be longer than the publisher's publish budget for a \
+     full batch (its timeouts added up); raise the lease or lower the batch size";
 
 /// Options of one drain: batch size, lease and retry policy. Used by [`dispatch_outbox`]
 /// and, through [`DispatcherBuilder`], by [`OutboxDispatcher`].
@@ -96,44 +96,38 @@ impl DispatchOptions {
     /// Checks the options on their own and against `publisher`'s
     /// [`publish_budget`](Publisher::publish_budget).
     pub(super) fn validate(&self, publisher: &impl Publisher) -> Result<(), DispatchError> {
-        if self.batch_size == 0 {
-            return Err(DispatchError::InvalidOption {
-                option: "batch_size",
-                problem: "must be at least 1",
-            });
+        let retry_policy = self.retry_policy.validate().err();
+        // (option, whether it is in range, what is wrong otherwise), checked in order.
+        let rules = [
+            ("batch_size", self.batch_size >= 1, "must be at least 1"),
+            (
+                "batch_size",
+                self.batch_size <= MAX_BATCH_SIZE,
+                BATCH_TOO_LARGE,
+            ),
+            (
+                "lease",
+                self.lease >= Duration::from_millis(1),
+                "must be at least 1 ms",
+            ),
+            ("lease", self.lease <= MAX_LEASE, LEASE_TOO_LONG),
+            (
+                "retry_policy",
+                retry_policy.is_none(),
+                retry_policy.unwrap_or_default(),
+            ),
+        ];
+        if let Some(&(option, _, problem)) = rules.iter().find(|(_, ok, _)| !ok) {
+            return Err(DispatchError::InvalidOption { option, problem });
         }
-        if self.batch_size > MAX_BATCH_SIZE {
-            return Err(DispatchError::InvalidOption {
-                option: "batch_size",
-                problem: "must be at most 100,000 rows (a claim holds its whole batch in memory)",
-            });
-        }
-        if self.lease < Duration::from_millis(1) {
-            return Err(DispatchError::InvalidOption {
-                option: "lease",
-                problem: "must be at least 1 ms",
-            });
-        }
-        if self.lease > MAX_LEASE {
-            return Err(DispatchError::InvalidOption {
-                option: "lease",
-                problem: "must be at most 24 hours (a crashed dispatcher's rows wait that long)",
-            });
-        }
-        if let Err(problem) = self.retry_policy.validate() {
-            return Err(DispatchError::InvalidOption {
-                option: "retry_policy",
-                problem,
-            });
-        }
+        // Asked last: the publisher's budget is only meaningful for a batch size in range.
         if publisher
             .publish_budget(self.batch_size)
             .is_some_and(|budget| budget >= self.lease)
         {
             return Err(DispatchError::InvalidOption {
                 option: "lease",
-                problem: "must be longer than the publisher's publish budget for a full batch \
-                          (its timeouts added up); raise the lease or lower the batch size",
+                problem: LEASE_WITHIN_BUDGET,
             });
         }
         Ok(())
@@ -163,28 +157,14 @@ impl DispatchReport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dispatch::publisher::PublishError;
-    use crate::record::OutboxMessage;
+    use crate::dispatch::publisher::TestPublisher;
 
     /// A publisher whose publish budget is one second per row.
-    struct SlowPublisher;
-
-    impl Publisher for SlowPublisher {
-        async fn publish_batch(
-            &self,
-            messages: &[OutboxMessage],
-        ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
-            messages.iter().map(|_| Ok(None)).collect()
-        }
-
-        fn publish_budget(&self, rows: usize) -> Option<Duration> {
-            Some(Duration::from_secs(rows as u64))
-        }
-    }
+    const SLOW_PUBLISHER: TestPublisher = TestPublisher(Some(Duration::from_secs(1)));
 
     #[test]
     fn options_are_validated() {
-        let invalid = |options: DispatchOptions| match options.validate(&SlowPublisher) {
+        let invalid = |options: DispatchOptions| match options.validate(&SLOW_PUBLISHER) {
             Err(DispatchError::InvalidOption { option, .. }) => option,
             other => panic!("{other:?} is not an invalid option"),
         };
@@ -215,11 +195,11 @@ mod tests {
         assert!(
             DispatchOptions::new()
                 .batch_size(20)
-                .validate(&SlowPublisher)
+                .validate(&SLOW_PUBLISHER)
                 .is_ok()
         );
         let error = DispatchOptions::new()
-            .validate(&SlowPublisher)
+            .validate(&SLOW_PUBLISHER)
             .unwrap_err()
             .to_string();
         assert!(error.contains("publish budget"), "{error}");

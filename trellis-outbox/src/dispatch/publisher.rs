@@ -151,3 +151,23 @@ impl<P: Publisher> Publisher for Arc<P> {
         (**self).publish_budget(rows)
     }
 }
+
+/// A publisher for unit tests: every message is published; the budget, when set, is this
+/// much per row.
+#[cfg(test)]
+pub(crate) struct TestPublisher(pub(crate) Option<Duration>);
+
+#[cfg(test)]
+impl Publisher for TestPublisher {
+    async fn publish_batch(
+        &self,
+        messages: &[OutboxMessage],
+    ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
+        messages.iter().map(|_| Ok(None)).collect()
+    }
+
+    fn publish_budget(&self, rows: usize) -> Option<Duration> {
+        let rows = u32::try_from(rows).unwrap_or(u32::MAX);
+        self.0.map(|per_row| per_row.saturating_mul(rows))
+    }
+}
