@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use crate::chain::error_chain;
 use crate::dispatch::publisher::PublishError;
+#[cfg(doc)]
+use crate::dispatch::{DispatchOptions, DispatcherBuilder, OutboxDispatcher};
 use crate::error::Error;
 
 /// The callback given to [`DispatcherBuilder::on_error`].
