@@ -74,7 +74,7 @@ pub const TRACESTATE: &str = "tracestate";
 /// The id is the row's primary key in the whole outbox table and the `Nats-Msg-Id` JetStream
 /// de-duplicates on, so it must name *this* event, not just the entity it is about: two event
 /// types marked `#[outbox(id)] order_id` would share ids, and enqueueing the second fails
-/// with [`Error::DuplicateIdentity`](crate::Error::DuplicateIdentity) (`Outbox message '<id>'
+/// with [`Error::DuplicateIdentity`] (`Outbox message '<id>'
 /// already exists with different immutable content`). Namespace the id with the event, e.g.
 /// `format!("order-shipped:{order_id}")` in a dedicated field. Enqueueing the same event again
 /// (same name, subject, payload and headers; the event time and trace headers may differ) is

@@ -13,7 +13,7 @@ use crate::record::OutboxMessage;
 /// What went wrong publishing one outbox row to JetStream.
 ///
 /// [`JetStreamPublisher`](super::JetStreamPublisher) wraps every failure in a [`JetStreamError`] inside the
-/// [`PublishError`](crate::PublishError) it returns; recover it with
+/// [`PublishError`] it returns; recover it with
 /// `publish_error.source_error().downcast_ref::<JetStreamError>()`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]

@@ -1,11 +1,12 @@
 //! NATS JetStream delivery (feature `nats`): [`JetStreamPublisher`], Trellis job dispatch
 //! ([`JobDispatcher`], [`JobAdmission`]) and header helpers.
 //!
-//! A row goes through [`publisher`](JetStreamPublisher) (pipelined publish and ack) after
-//! its headers (`headers.rs`) or, for a job row, its `created` event (`created.rs`, built
-//! from the parts `job_row.rs` decodes) or a [`JobDispatcher`] (`jobs.rs`) decide what is
-//! sent; failures become a [`JetStreamError`] (`error.rs`). `builder.rs` holds the options,
-//! `streams.rs` the start-up stream check.
+//! One row's path: `publisher.rs` ([`JetStreamPublisher`]: pipelined publish and ack) sends
+//! an event row with the headers of `headers.rs`; a job row becomes the `created` event of
+//! `created.rs` (from the parts `job_row.rs` decodes) or goes to a [`JobDispatcher`]
+//! (`jobs.rs`). Every failure is a [`JetStreamError`] (`error.rs`, which also classifies
+//! async-nats errors). `builder.rs` holds the options and defaults, `streams.rs` the
+//! start-up stream check.
 
 mod builder;
 mod created;
