@@ -74,7 +74,7 @@ pub const TRACESTATE: &str = "tracestate";
 /// The id is the row's primary key in the whole outbox table and the `Nats-Msg-Id` JetStream
 /// de-duplicates on, so it must name *this* event, not just the entity it is about: two event
 /// types marked `#[outbox(id)] order_id` would share ids, and enqueueing the second fails
-/// with [`Error::DuplicateIdentity`](crate::Error::DuplicateIdentity) (`Outbox message '<id>'
+/// with [`Error::DuplicateIdentity`] (`Outbox message '<id>'
 /// already exists with different immutable content`). Namespace the id with the event, e.g.
 /// `format!("order-shipped:{order_id}")` in a dedicated field. Enqueueing the same event again
 /// (same name, subject, payload and headers; the event time and trace headers may differ) is
@@ -260,18 +260,10 @@ impl TraceContext {
     /// assert!(context.traceparent().starts_with("00-") && context.traceparent().ends_with("-01"));
     /// ```
     pub fn random() -> Self {
-        // ULIDs carry 80 random bits each (from the thread's CSPRNG): enough for 128 + 64.
-        let a = ulid::Ulid::generate().random();
-        let b = ulid::Ulid::generate().random();
-        let c = ulid::Ulid::generate().random();
-        let mut trace_id = (a << 48) ^ b;
-        let mut span_id = c as u64;
-        if trace_id == 0 {
-            trace_id = 1;
-        }
-        if span_id == 0 {
-            span_id = 1;
-        }
+        // W3C trace context forbids all-zero ids; the thread's CSPRNG makes one unlikely
+        // enough that mapping it to 1 costs no uniqueness.
+        let trace_id = rand::random::<u128>().max(1);
+        let span_id = rand::random::<u64>().max(1);
         Self {
             traceparent: format!("00-{trace_id:032x}-{span_id:016x}-01"),
             tracestate: None,
@@ -290,7 +282,9 @@ impl TraceContext {
 
     /// The 32-hex-digit trace id (`traceparent[3..35]`), if the context is valid.
     pub fn trace_id(&self) -> Option<&str> {
-        self.is_valid().then(|| &self.traceparent[3..35])
+        self.is_valid()
+            .then(|| self.traceparent.get(3..35))
+            .flatten()
     }
 
     /// Whether `traceparent` is valid as Trellis checks it:

@@ -253,13 +253,12 @@ fn json_kind(value: &serde_json::Value) -> &'static str {
 mod tests {
     use super::*;
 
+    /// A hand-written [`OutboxJob`] (no macro) around any serializable payload.
     #[derive(Serialize)]
-    struct Manual {
-        b: u8,
-        a: u8,
-    }
+    #[serde(transparent)]
+    struct Manual<T>(T);
 
-    impl OutboxJob for Manual {
+    impl<T: Serialize> OutboxJob for Manual<T> {
         const QUEUE: &'static str = "manual";
         const SERVICE: &'static str = "svc";
         const JOB_TYPE: &'static str = "kind";
@@ -267,9 +266,15 @@ mod tests {
         const MODE: JobMode = JobMode::Submit;
     }
 
+    #[derive(Serialize)]
+    struct Fields {
+        b: u8,
+        a: u8,
+    }
+
     #[test]
     fn keeps_field_order_and_appends_ids() {
-        let (record, submission) = Manual { b: 1, a: 2 }.prepare_job().unwrap();
+        let (record, submission) = Manual(Fields { b: 1, a: 2 }).prepare_job().unwrap();
         assert_eq!(
             record.payload,
             format!(
@@ -289,18 +294,10 @@ mod tests {
         extra: BTreeMap<String, String>,
     }
 
-    impl OutboxJob for Flattened {
-        const QUEUE: &'static str = "q";
-        const SERVICE: &'static str = "s";
-        const JOB_TYPE: &'static str = "t";
-        const SUBJECT_PREFIX: &'static str = "trellis.jobs.s.t";
-        const MODE: JobMode = JobMode::Create;
-    }
-
     #[test]
     fn runtime_collisions_are_rejected() {
         let extra = BTreeMap::from([("jobId".to_owned(), "x".to_owned())]);
-        let err = Flattened { extra }.prepare_job().unwrap_err();
+        let err = Manual(Flattened { extra }).prepare_job().unwrap_err();
         assert!(
             err.to_string()
                 .contains("the job already has a `jobId` key"),

@@ -18,6 +18,42 @@ pub const NATS_MSG_ID: &str = "Nats-Msg-Id";
 /// The header carrying the Trellis event time (`YYYY-MM-DDTHH:mm:ss.sssZ`).
 pub const TRELLIS_EVENT_TIME: &str = "Trellis-Event-Time";
 
+/// `as_str`, `Display` and `FromStr` of a fieldless enum from one table of wire strings,
+/// so the three can never disagree; an unknown string is refused with `unknown(string)`.
+macro_rules! wire_strings {
+    (
+        $ty:ident, unknown: $unknown:path,
+        #[doc = $doc:literal]
+        $($variant:ident => $wire:literal),+ $(,)?
+    ) => {
+        impl $ty {
+            #[doc = $doc]
+            pub const fn as_str(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $wire),+
+                }
+            }
+        }
+
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl FromStr for $ty {
+            type Err = Error;
+
+            fn from_str(s: &str) -> Result<Self> {
+                match s {
+                    $($wire => Ok($ty::$variant),)+
+                    other => Err($unknown(other.to_owned())),
+                }
+            }
+        }
+    };
+}
+
 /// What an outbox record asks the dispatcher to do. Wire strings are Trellis' own.
 ///
 /// # Examples
@@ -45,34 +81,12 @@ pub enum OutboxRecordKind {
     JobSubmit,
 }
 
-impl OutboxRecordKind {
+wire_strings! {
+    OutboxRecordKind, unknown: Error::UnknownKind,
     /// The wire string: `event.publish`, `job.create` or `job.submit`.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            OutboxRecordKind::EventPublish => "event.publish",
-            OutboxRecordKind::JobCreate => "job.create",
-            OutboxRecordKind::JobSubmit => "job.submit",
-        }
-    }
-}
-
-impl fmt::Display for OutboxRecordKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for OutboxRecordKind {
-    type Err = Error;
-
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "event.publish" => Ok(OutboxRecordKind::EventPublish),
-            "job.create" => Ok(OutboxRecordKind::JobCreate),
-            "job.submit" => Ok(OutboxRecordKind::JobSubmit),
-            other => Err(Error::UnknownKind(other.to_owned())),
-        }
-    }
+    EventPublish => "event.publish",
+    JobCreate => "job.create",
+    JobSubmit => "job.submit",
 }
 
 /// Where a stored outbox message is in its life. Wire strings are Trellis' own, plus `dead`.
@@ -99,36 +113,13 @@ pub enum OutboxMessageState {
     Dead,
 }
 
-impl OutboxMessageState {
+wire_strings! {
+    OutboxMessageState, unknown: Error::UnknownState,
     /// The wire string: `pending`, `dispatched`, `failed` or `dead`.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            OutboxMessageState::Pending => "pending",
-            OutboxMessageState::Dispatched => "dispatched",
-            OutboxMessageState::Failed => "failed",
-            OutboxMessageState::Dead => "dead",
-        }
-    }
-}
-
-impl fmt::Display for OutboxMessageState {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for OutboxMessageState {
-    type Err = Error;
-
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "pending" => Ok(OutboxMessageState::Pending),
-            "dispatched" => Ok(OutboxMessageState::Dispatched),
-            "failed" => Ok(OutboxMessageState::Failed),
-            "dead" => Ok(OutboxMessageState::Dead),
-            other => Err(Error::UnknownState(other.to_owned())),
-        }
-    }
+    Pending => "pending",
+    Dispatched => "dispatched",
+    Failed => "failed",
+    Dead => "dead",
 }
 
 /// A record ready to be written to the outbox (Trellis' `PreparedOutboxRecord`).

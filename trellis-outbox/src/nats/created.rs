@@ -1,0 +1,256 @@
+//! The Trellis job `created` lifecycle event (spec §D.3) that [`JetStreamPublisher`]
+//! publishes for a job row by default: its JSON body and headers.
+//!
+//! [`JetStreamPublisher`]: super::JetStreamPublisher
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::job_row::{JobParts, UserPayload, malformed};
+use crate::dispatch::PublishError;
+use crate::event::{TRACEPARENT, TRACESTATE};
+use crate::job::REQUEST_ID;
+use crate::record::{NATS_MSG_ID, OutboxMessage};
+use crate::time::format_timestamp;
+
+/// Per-queue settings of the `created` event (not stored in the row).
+#[derive(Debug, Clone)]
+pub(crate) struct CreatedEventSettings {
+    pub(crate) default_max_tries: u64,
+    pub(crate) max_tries: HashMap<String, u64>,
+    pub(crate) deadlines: HashMap<String, Duration>,
+}
+
+impl CreatedEventSettings {
+    pub(crate) fn new(default_max_tries: u64) -> Self {
+        Self {
+            default_max_tries,
+            max_tries: HashMap::new(),
+            deadlines: HashMap::new(),
+        }
+    }
+}
+
+/// The `created` lifecycle event of a job row: JSON body and headers (spec §D.3).
+pub(crate) fn created_event(
+    message: &OutboxMessage,
+    settings: &CreatedEventSettings,
+) -> Result<(Vec<u8>, async_nats::HeaderMap), PublishError> {
+    let parts = JobParts::parse(message).map_err(|problem| malformed(message, problem))?;
+    let max_tries = settings
+        .max_tries
+        .get(&message.name)
+        .copied()
+        .unwrap_or(settings.default_max_tries);
+    let deadline = match settings.deadlines.get(&message.name) {
+        Some(after) => {
+            let after = chrono::Duration::from_std(*after)
+                .ok()
+                .and_then(|after| message.created_at.checked_add_signed(after))
+                .ok_or_else(|| {
+                    malformed(
+                        message,
+                        format!("a deadline {after:?} after created_at overflows"),
+                    )
+                })?;
+            Some(format_timestamp(after))
+        }
+        None => None,
+    };
+    let body = CreatedEvent {
+        job_id: &parts.job_id,
+        service: parts.service,
+        job_type: parts.job_type,
+        event_type: "created",
+        state: "pending",
+        context: WireContext {
+            request_id: parts.request_id,
+            trace_id: parts.trace_id,
+            traceparent: parts.traceparent,
+            tracestate: parts.tracestate,
+        },
+        tries: 0,
+        max_tries,
+        payload: UserPayload(&parts.fields),
+        deadline,
+        timestamp: format_timestamp(message.created_at),
+    };
+    let bytes = serde_json::to_vec(&body)
+        .map_err(|e| malformed(message, format!("the event cannot be encoded: {e}")))?;
+    let mut headers = async_nats::HeaderMap::new();
+    let msg_id = format!("trellis-job-created:{}", parts.submission_id);
+    let values = [
+        (REQUEST_ID, Some(parts.request_id)),
+        (TRACEPARENT, Some(parts.traceparent)),
+        (TRACESTATE, parts.tracestate),
+        (NATS_MSG_ID, Some(msg_id.as_str())),
+    ];
+    for (name, value) in values {
+        if let Some(value) = value {
+            let value = header_value(value).map_err(|problem| {
+                malformed(message, format!("the `{name}` header value {problem}"))
+            })?;
+            headers.insert(name, value);
+        }
+    }
+    Ok((bytes, headers))
+}
+
+/// A header value, refused (never a panic) when NATS cannot carry it.
+fn header_value(value: &str) -> Result<async_nats::HeaderValue, String> {
+    if value.contains(char::is_control) {
+        return Err(format!("{value:?} contains a control character"));
+    }
+    value
+        .parse()
+        .map_err(|e: async_nats::header::ParseHeaderValueError| e.to_string())
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct CreatedEvent<'a> {
+    job_id: &'a str,
+    service: &'a str,
+    job_type: &'a str,
+    event_type: &'static str,
+    state: &'static str,
+    context: WireContext<'a>,
+    tries: u64,
+    max_tries: u64,
+    payload: UserPayload<'a>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    deadline: Option<String>,
+    timestamp: String,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct WireContext<'a> {
+    request_id: &'a str,
+    trace_id: &'a str,
+    traceparent: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tracestate: Option<&'a str>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nats::job_row::tests::job_row;
+
+    #[test]
+    fn created_event_matches_the_wire_shape() {
+        let row = job_row(
+            r#"{"zeta":1,"alpha":{"b":2,"a":1},"jobId":"01JOB","submissionId":"01SUB"}"#,
+            "trellis.jobs.billing.sync-customer.01JOB.created",
+        );
+        let mut settings = CreatedEventSettings::new(7);
+        settings
+            .deadlines
+            .insert("syncCustomer".into(), Duration::from_secs(60));
+        let (body, headers) = created_event(&row, &settings).unwrap();
+        let body = String::from_utf8(body).unwrap();
+        assert_eq!(
+            body,
+            concat!(
+                r#"{"jobId":"01JOB","service":"billing","jobType":"sync-customer","eventType":"created","#,
+                r#""state":"pending","context":{"requestId":"01REQ","traceId":"4bf92f3577b34da6a3ce929d0e0e4736","#,
+                r#""traceparent":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"},"tries":0,"maxTries":7,"#,
+                r#""payload":{"zeta":1,"alpha":{"b":2,"a":1}},"deadline":"2026-05-25T00:01:00.123Z","#,
+                r#""timestamp":"2026-05-25T00:00:00.123Z"}"#
+            )
+        );
+        assert_eq!(
+            headers.get(NATS_MSG_ID).unwrap().as_str(),
+            "trellis-job-created:01SUB"
+        );
+        assert_eq!(headers.get(REQUEST_ID).unwrap().as_str(), "01REQ");
+        assert!(headers.get(TRACESTATE).is_none());
+    }
+
+    #[test]
+    fn malformed_rows_are_permanent_with_reasons() {
+        let cases = [
+            (
+                r#"{"jobId":"01JOB","submissionId":"01SUB"}"#,
+                "trellis.jobs.billing.01JOB.created",
+                "is not `trellis.jobs.<service>.<job_type>.<jobId>.created`",
+            ),
+            (
+                r#"[1]"#,
+                "trellis.jobs.billing.sync.01JOB.created",
+                "the payload is not a JSON object",
+            ),
+            (
+                r#"{"submissionId":"01SUB"}"#,
+                "trellis.jobs.billing.sync.01JOB.created",
+                "the payload has no `jobId`",
+            ),
+            (
+                r#"{"jobId":"OTHER","submissionId":"01SUB"}"#,
+                "trellis.jobs.billing.sync.01JOB.created",
+                "differs from the subject's `01JOB`",
+            ),
+            (
+                r#"{"jobId":"01JOB","submissionId":"X"}"#,
+                "trellis.jobs.billing.sync.01JOB.created",
+                "differs from the row id",
+            ),
+        ];
+        let settings = CreatedEventSettings::new(5);
+        for (payload, subject, expected) in cases {
+            let err = created_event(&job_row(payload, subject), &settings).unwrap_err();
+            assert!(!err.is_retryable());
+            assert!(err.chain().contains(expected), "{}", err.chain());
+            assert!(
+                err.chain()
+                    .contains("cannot be turned into a Trellis job `created` event"),
+                "{}",
+                err.chain()
+            );
+        }
+        let mut row = job_row(
+            r#"{"jobId":"01JOB","submissionId":"01SUB"}"#,
+            "trellis.jobs.billing.sync.01JOB.created",
+        );
+        row.headers.insert(TRACEPARENT.into(), "garbage".into());
+        let err = created_event(&row, &settings).unwrap_err();
+        assert!(err.chain().contains("not a valid W3C traceparent"));
+    }
+
+    /// These rows made `HeaderMap::insert` panic before.
+    #[test]
+    fn unsendable_job_headers_are_permanent_errors_not_panics() {
+        let settings = CreatedEventSettings::new(5);
+        let ok = || {
+            job_row(
+                r#"{"jobId":"01JOB","submissionId":"01SUB"}"#,
+                "trellis.jobs.billing.sync.01JOB.created",
+            )
+        };
+        for (name, value) in [
+            (REQUEST_ID, "01REQ\r\nNats-Rollup: all"),
+            (TRACESTATE, "a=b\nc"),
+            (REQUEST_ID, "01\0REQ"),
+        ] {
+            let mut row = ok();
+            row.headers.insert(name.into(), value.into());
+            let err = created_event(&row, &settings).unwrap_err();
+            assert!(!err.is_retryable());
+            assert!(
+                err.chain().contains(&format!("the `{name}` header value")),
+                "{}",
+                err.chain()
+            );
+        }
+        let mut row = job_row(
+            r#"{"jobId":"01JOB","submissionId":"01\r\nSUB"}"#,
+            "trellis.jobs.billing.sync.01JOB.created",
+        );
+        row.id = "01\r\nSUB".into();
+        let err = created_event(&row, &settings).unwrap_err();
+        assert!(err.chain().contains("Nats-Msg-Id"), "{}", err.chain());
+    }
+}
