@@ -122,9 +122,11 @@ impl<D: JobDispatcher> JetStreamPublisher<D> {
                     );
                 }
             }
-            // TODO(chain): log the whole chain (a `Lookup` error's async-nats source is not in
-            // its Display) with the crate-level error-chain formatter.
-            Ok(Err(error)) => tracing::error!(%error, "outbox stream check failed at start"),
+            // The whole chain: a `Lookup` error's async-nats source is not in its Display.
+            Ok(Err(error)) => tracing::error!(
+                error = %crate::chain::error_chain(&error),
+                "outbox stream check failed at start"
+            ),
             Err(_) => tracing::warn!(
                 timeout = ?STARTUP_CHECK_TIMEOUT,
                 "outbox stream check did not finish in time; dispatching anyway"
