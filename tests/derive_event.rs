@@ -351,3 +351,39 @@ async fn enqueue_on_sqlite() {
     assert_eq!(rows[1].3, "events.v1.Health.Ping");
     assert_eq!(rows[1].4, "{}");
 }
+
+#[derive(serde::Serialize, OutboxEvent)]
+#[outbox(
+    name = "Documents.Changed",
+    subject = "events.v1.ZG9jdW1lbnRzQHYx.Documents.Changed.{id}",
+    api = "documents@v1"
+)]
+struct DocumentChanged {
+    id: String,
+}
+
+/// `api = "…"` adds the `Trellis-Event-Descriptor` header, computed at compile time with one
+/// parameter per subject placeholder, the same as the runtime function; events without it
+/// send no descriptor.
+#[test]
+fn api_adds_the_descriptor_header() {
+    let expected = "v1.ZG9jdW1lbnRzQHYx.RG9jdW1lbnRzLkNoYW5nZWQ.1";
+    assert_eq!(DocumentChanged::OUTBOX_DESCRIPTOR, expected);
+    assert_eq!(
+        trellis_outbox::event_descriptor_identity("documents@v1", "Documents.Changed", 1).unwrap(),
+        expected
+    );
+    let record = DocumentChanged { id: "doc-1".into() }
+        .to_outbox_record()
+        .unwrap();
+    assert_eq!(
+        record
+            .headers
+            .get(trellis_outbox::TRELLIS_EVENT_DESCRIPTOR)
+            .map(String::as_str),
+        Some(expected)
+    );
+    record.validate().unwrap();
+    let plain = shipped("o-1").to_outbox_record().unwrap();
+    assert!(!plain.headers.contains_key("Trellis-Event-Descriptor"));
+}

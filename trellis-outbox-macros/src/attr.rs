@@ -59,6 +59,8 @@ pub(crate) struct EventInput {
     pub(crate) name: Option<StrLit>,
     /// `subject = "events.v1.Orders.Shipped.{order_id}"` (required).
     pub(crate) subject: Option<StrLit>,
+    /// `api = "orders@v1"`: the Trellis API the event belongs to (its descriptor identity).
+    pub(crate) api: Option<StrLit>,
     /// `crate = "path"`.
     #[darling(rename = "crate")]
     pub(crate) krate: Option<StrLit>,

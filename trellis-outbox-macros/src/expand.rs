@@ -121,6 +121,7 @@ fn event_impls(event: &Event) -> TokenStream {
         template,
         subject,
         id_field,
+        descriptor,
     } = event;
     let private = quote!(#krate::__private);
 
@@ -162,6 +163,19 @@ fn event_impls(event: &Event) -> TokenStream {
         }
     });
     let record = quote_spanned! {at(ident.span())=> #private::event_record(self) };
+    let descriptor_const = descriptor.as_ref().map(|identity| {
+        quote! {
+            const DESCRIPTOR: #private::core::option::Option<&'static str> =
+                #private::core::option::Option::Some(#identity);
+        }
+    });
+    let descriptor_inherent = descriptor.as_ref().map(|identity| {
+        let doc = format!(" The Trellis event descriptor identity, `{identity}`.");
+        quote! {
+            #[doc = #doc]
+            #vis const OUTBOX_DESCRIPTOR: &'static str = #identity;
+        }
+    });
     let name_doc = format!(" The outbox event name, `{name}`.");
     let subject_doc = format!(" The outbox subject template, `{template}`.");
 
@@ -176,6 +190,7 @@ fn event_impls(event: &Event) -> TokenStream {
                 #vis const OUTBOX_NAME: &'static str = #name;
                 #[doc = #subject_doc]
                 #vis const OUTBOX_SUBJECT: &'static str = #template;
+                #descriptor_inherent
             }
 
             #[automatically_derived]
@@ -183,6 +198,7 @@ fn event_impls(event: &Event) -> TokenStream {
             impl #bounded_impl_generics #private::OutboxEvent for #ident #ty_generics #bounded_where {
                 const NAME: &'static str = #name;
                 const SUBJECT_TEMPLATE: &'static str = #template;
+                #descriptor_const
 
                 fn subject(&self) -> #private::String {
                     #subject_body

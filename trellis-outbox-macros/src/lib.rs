@@ -32,6 +32,11 @@ use proc_macro::TokenStream;
 ///   the field's `Display` output, escaped as Trellis does (`.`, `*`, `>`, `~`, whitespace and
 ///   NUL become `~HEX~`; an empty or `$`-leading value gets a `_` prefix). Literal tokens are
 ///   checked at compile time: no whitespace, no empty token, no `*`/`>` wildcard.
+/// - `api = "orders@v1"` (optional): the Trellis API the event belongs to. The event's
+///   descriptor identity (`v1.<base64url(api)>.<base64url(name)>.<placeholders>`, the
+///   parameter count being the number of `{field}` placeholders in the subject) is computed at
+///   compile time, sent as the `Trellis-Event-Descriptor` header that current Trellis
+///   dispatchers require, and available as `OrderShipped::OUTBOX_DESCRIPTOR`.
 /// - `crate = "path"`: where to find `trellis_outbox` when it is re-exported, e.g.
 ///   `#[outbox(crate = "my_app::outbox", ...)]`.
 ///

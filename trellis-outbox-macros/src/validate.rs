@@ -19,6 +19,8 @@ pub(crate) struct Event {
     pub(crate) template: String,
     pub(crate) subject: Vec<SubjectPart>,
     pub(crate) id_field: Option<FieldRef>,
+    /// The `Trellis-Event-Descriptor` identity, with `api = "…"`.
+    pub(crate) descriptor: Option<String>,
 }
 
 /// A named field used by the generated code.
@@ -189,6 +191,20 @@ pub(crate) fn event(input: &DeriveInput) -> darling::Result<Event> {
         }
     }
 
+    let descriptor = parsed.api.as_ref().and_then(|api| {
+        let placeholders = subject
+            .iter()
+            .filter(|part| matches!(part, SubjectPart::Field(_)))
+            .count();
+        match descriptor_identity(&api.value(), &name, placeholders) {
+            Ok(identity) => Some(identity),
+            Err(problem) => {
+                errors.push(darling::Error::custom(problem).with_span(&api.0));
+                None
+            }
+        }
+    });
+
     errors.finish_with(Event {
         ident: input.ident.clone(),
         vis: input.vis.clone(),
@@ -198,6 +214,7 @@ pub(crate) fn event(input: &DeriveInput) -> darling::Result<Event> {
         template,
         subject,
         id_field,
+        descriptor,
     })
 }
 
@@ -478,4 +495,31 @@ fn parse_subject(
 fn unraw(ident: &Ident) -> String {
     let s = ident.to_token_stream().to_string();
     s.strip_prefix("r#").map(str::to_owned).unwrap_or(s)
+}
+
+/// The Trellis descriptor identity of event `name` in API `api` whose subject has
+/// `placeholders` placeholders: `v1.<base64url(api)>.<base64url(name)>.<placeholders>`, as the
+/// runtime's `event_descriptor_identity` builds it (the same rules, checked at compile time).
+fn descriptor_identity(api: &str, name: &str, placeholders: usize) -> Result<String, String> {
+    use base64::Engine as _;
+    use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+
+    let valid = api.rsplit_once("@v").is_some_and(|(api_name, major)| {
+        !api_name.is_empty()
+            && !major.is_empty()
+            && major.bytes().all(|b| b.is_ascii_digit())
+            && api_name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
+    });
+    if !valid {
+        return Err(format!(
+            "`api` must be a Trellis API identity `<name>@v<major>` (ASCII letters, digits, `.`, `-`, `_`), e.g. `orders@v1`; got {api:?}"
+        ));
+    }
+    Ok(format!(
+        "v1.{}.{}.{placeholders}",
+        URL_SAFE_NO_PAD.encode(api),
+        URL_SAFE_NO_PAD.encode(name)
+    ))
 }

@@ -70,6 +70,17 @@ pub enum Error {
         problem: String,
     },
 
+    /// A Trellis event descriptor identity could not be built.
+    #[error("invalid Trellis event descriptor for API {api_id:?}, event {event_name:?}: {problem}")]
+    InvalidDescriptor {
+        /// The API identity given.
+        api_id: String,
+        /// The event name given.
+        event_name: String,
+        /// What is wrong.
+        problem: String,
+    },
+
     /// An inbox message id was rejected before any SQL was sent.
     #[error("invalid inbox message id {message_id:?}: {problem}")]
     InvalidMessageId {

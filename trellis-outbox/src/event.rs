@@ -7,6 +7,7 @@ use std::sync::OnceLock;
 
 use serde::Serialize;
 
+use crate::descriptor::TRELLIS_EVENT_DESCRIPTOR;
 use crate::error::{Error, Result};
 use crate::record::{
     NATS_MSG_ID, OutboxRecordKind, PreparedOutboxRecord, TRELLIS_EVENT_TIME, new_id,
@@ -140,6 +141,13 @@ pub trait OutboxEvent {
     /// The subject template as written, e.g. `events.v1.Orders.Shipped.{order_id}`.
     const SUBJECT_TEMPLATE: &'static str;
 
+    /// The Trellis event descriptor identity (see [`event_descriptor_identity`]), sent as the
+    /// `Trellis-Event-Descriptor` header; `None` (the default) sends none. The derive sets it
+    /// from `#[outbox(api = "…")]`.
+    ///
+    /// [`event_descriptor_identity`]: crate::event_descriptor_identity
+    const DESCRIPTOR: Option<&'static str> = None;
+
     /// The concrete subject: the template with each placeholder replaced by the escaped value.
     fn subject(&self) -> String;
 
@@ -172,6 +180,9 @@ pub trait OutboxEvent {
             TRELLIS_EVENT_TIME.to_owned(),
             format_timestamp(now_millis()),
         );
+        if let Some(descriptor) = Self::DESCRIPTOR {
+            headers.insert(TRELLIS_EVENT_DESCRIPTOR.to_owned(), descriptor.to_owned());
+        }
         if let Some(context) = TraceContext::current().filter(TraceContext::is_valid) {
             context.insert_headers(&mut headers);
         }

@@ -62,6 +62,7 @@ extern crate self as trellis_outbox;
 mod chain;
 #[cfg(feature = "cli")]
 pub mod cli;
+mod descriptor;
 mod dispatch;
 mod error;
 mod event;
@@ -83,6 +84,7 @@ mod tables;
 mod time;
 mod wire;
 
+pub use crate::descriptor::{TRELLIS_EVENT_DESCRIPTOR, event_descriptor_identity};
 #[cfg(feature = "sqlite")]
 pub use crate::dispatch::SqliteOutboxRepository;
 pub use crate::dispatch::{

@@ -398,3 +398,31 @@ fn job_payload_collisions() {
     // Without camelCase, `job_id` stays `job_id`: no collision.
     assert!(job_errors(args, parse_quote! { struct S { job_id: String } }).is_empty());
 }
+
+#[test]
+fn api_identities() {
+    let event: DeriveInput = parse_quote! {
+        #[outbox(name = "Documents.Changed", subject = "events.v1.Documents.Changed.{id}", api = "documents@v1")]
+        struct S { id: String }
+    };
+    let checked = validate::event(&event).unwrap();
+    assert_eq!(
+        checked.descriptor.as_deref(),
+        Some("v1.ZG9jdW1lbnRzQHYx.RG9jdW1lbnRzLkNoYW5nZWQ.1")
+    );
+    let plain: DeriveInput = parse_quote! {
+        #[outbox(name = "A.B", subject = "a.b")] struct S { id: String }
+    };
+    assert_eq!(validate::event(&plain).unwrap().descriptor, None);
+    for bad in ["orders", "orders@v", "@v1", "or ders@v1"] {
+        let input: DeriveInput = parse_quote! {
+            #[outbox(name = "A.B", subject = "a.b", api = #bad)] struct S { id: String }
+        };
+        let errors = event_errors(input);
+        assert_eq!(errors.len(), 1, "{bad}: {errors:?}");
+        assert!(
+            errors[0].starts_with("`api` must be a Trellis API identity"),
+            "{bad}: {errors:?}"
+        );
+    }
+}
