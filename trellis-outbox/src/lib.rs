@@ -62,6 +62,7 @@ extern crate self as trellis_outbox;
 #[cfg(feature = "cli")]
 pub mod cli;
 mod dispatch;
+mod driver;
 mod error;
 mod event;
 mod job;
@@ -69,29 +70,26 @@ mod migrate;
 #[cfg(feature = "nats")]
 mod nats;
 mod outbox;
-#[cfg(feature = "postgres")]
 mod postgres;
 mod record;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 mod row;
 mod sql;
-#[cfg(feature = "sqlite")]
+mod sql_repository;
 mod sqlite;
 mod subject;
 mod tables;
 mod time;
 mod wire;
 
-#[cfg(feature = "sqlite")]
-pub use crate::dispatch::SqliteOutboxRepository;
 pub use crate::dispatch::{
     BoxError, Claim, DispatchError, DispatchOptions, DispatchReport, Dispatched, DispatcherBuilder,
     DispatcherHandle, Disposition, ErrorCallback, Failure, FailureOutcome, MAX_RETRY_DELAY,
     MIN_RETRY_DELAY, MemoryOutboxRepository, OutboxDispatcher, OutboxRepository, PoisonRow,
     PublishError, Publisher, RetryOutcome, RetryPolicy, dispatch_outbox,
 };
-#[cfg(feature = "postgres")]
-pub use crate::dispatch::{PgOutboxRepository, PgWakeups};
-pub use crate::error::{Error, Result};
+pub use crate::driver::OutboxDatabase;
+pub use crate::error::{Error, Result, TableKind};
 pub use crate::event::{OutboxEvent, TRACEPARENT, TRACESTATE, TraceContext};
 pub use crate::job::{JobMode, JobSubmission, OutboxJob, REQUEST_ID};
 pub use crate::migrate::{
@@ -105,14 +103,19 @@ pub use crate::nats::{
     JobAdmission, JobDispatcher, JobRef, JobRequest, NoJobDispatcher, StreamCheck,
     StreamCheckError,
 };
-pub use crate::outbox::{Outbox, OutboxDatabase, OutboxTransactionExt};
+pub use crate::outbox::{Outbox, OutboxTransactionExt};
+#[cfg(feature = "postgres")]
+pub use crate::postgres::{PgOutboxRepository, PgWakeups};
 pub use crate::record::{
     InboxReceipt, NATS_MSG_ID, OutboxMessage, OutboxMessageState, OutboxRecordKind,
     PreparedOutboxRecord, TRELLIS_EVENT_TIME, ToOutboxRecord, new_id,
 };
 pub use crate::sql::SqlStatements;
+pub use crate::sql_repository::SqlOutboxRepository;
+#[cfg(feature = "sqlite")]
+pub use crate::sqlite::SqliteOutboxRepository;
 pub use crate::subject::escape_subject_token;
-pub use crate::tables::{Dialect, OutboxTables, TableKind};
+pub use crate::tables::{Dialect, OutboxTables};
 pub use crate::time::format_timestamp;
 /// Derives [`OutboxEvent`] and [`ToOutboxRecord`]; see the [`OutboxEvent`] trait for the
 /// attributes and examples.

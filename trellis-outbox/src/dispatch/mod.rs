@@ -2,30 +2,20 @@
 
 mod dispatcher;
 mod memory;
-#[cfg(feature = "postgres")]
-mod postgres;
 mod publisher;
 mod repository;
 mod retry;
-#[cfg(feature = "sqlite")]
-mod sqlite;
-#[cfg(feature = "postgres")]
-mod wakeup;
 
 pub use dispatcher::{
     DispatchError, DispatchOptions, DispatchReport, DispatcherBuilder, DispatcherHandle,
     Disposition, ErrorCallback, OutboxDispatcher, dispatch_outbox,
 };
 pub use memory::MemoryOutboxRepository;
-#[cfg(feature = "postgres")]
-pub use postgres::PgOutboxRepository;
 pub use publisher::{BoxError, PublishError, Publisher};
-pub(crate) use repository::KNOWN_STATES;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub(crate) use repository::MAX_SQL_DURATION;
 pub use repository::{
     Claim, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow, RetryOutcome,
 };
+pub(crate) use repository::{KNOWN_STATES, due_in};
 pub use retry::{MAX_RETRY_DELAY, MIN_RETRY_DELAY, RetryPolicy};
-#[cfg(feature = "sqlite")]
-pub use sqlite::SqliteOutboxRepository;
-#[cfg(feature = "postgres")]
-pub use wakeup::PgWakeups;
