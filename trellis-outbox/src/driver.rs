@@ -13,8 +13,9 @@ use chrono::{DateTime, Utc};
 use sqlx::{Database, Decode, Encode, Executor, Pool, Transaction, Type};
 
 use crate::dispatch::{Claim, Dispatched, Failure, PoisonRow, RetryOutcome};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
+use crate::row::existing_row;
 use crate::sql::{SqlStatements, statement};
 use crate::tables::{Dialect, OutboxTables};
 
@@ -95,6 +96,13 @@ pub(crate) mod sealed {
         ) -> Boxed<'a, sqlx::Result<u64>>
         where
             V: for<'q> Encode<'q, Self> + Type<Self> + Send + 'a;
+
+        /// Runs `sql` binding `id`; the row it returns, if any.
+        fn fetch_by_id<'a>(
+            conn: &'a mut Self::Connection,
+            sql: &'a Arc<str>,
+            id: &'a str,
+        ) -> Boxed<'a, sqlx::Result<Option<Self::Row>>>;
 
         /// `(version, id, checksum)` of the migrations `sql` reads for `outbox`.
         fn fetch_migrations<'a>(
@@ -194,6 +202,19 @@ pub(crate) mod sealed {
             })
         }
 
+        fn fetch_by_id<'a>(
+            conn: &'a mut Self::Connection,
+            sql: &'a Arc<str>,
+            id: &'a str,
+        ) -> Boxed<'a, sqlx::Result<Option<Self::Row>>> {
+            Box::pin(async move {
+                sqlx::query(statement(sql))
+                    .bind(id)
+                    .fetch_optional(&mut *conn)
+                    .await
+            })
+        }
+
         fn fetch_migrations<'a>(
             tx: &'a mut Transaction<'static, Self>,
             sql: &'static str,
@@ -252,6 +273,28 @@ pub(crate) mod sealed {
         type Time: for<'q> Encode<'q, Self> + Type<Self> + Send;
 
         fn time(time: DateTime<Utc>) -> Self::Time;
+
+        /// Decodes a row that selected [`COLUMNS`](crate::sql::COLUMNS) first, in order.
+        fn decode(row: &Self::Row) -> Result<OutboxMessage>;
+
+        /// What an enqueue of `record` returns when its insert wrote nothing: the stored row
+        /// with its id, if its content is the record's ([`existing_row`]).
+        fn stored<'a>(
+            conn: &'a mut Self::Connection,
+            sql: &'a SqlStatements,
+            record: &'a PreparedOutboxRecord,
+        ) -> impl Future<Output = Result<OutboxMessage>> + Send + 'a {
+            async move {
+                let row = Self::fetch_by_id(conn, &sql.select_by_id, &record.id)
+                    .await
+                    .map_err(|source| Error::Enqueue {
+                        id: record.id.clone(),
+                        source,
+                    })?;
+                let stored = row.as_ref().map(Self::decode).transpose()?;
+                existing_row(record, stored.as_ref())
+            }
+        }
 
         fn insert_one<'a>(
             conn: &'a mut Self::Connection,

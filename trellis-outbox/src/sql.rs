@@ -141,21 +141,41 @@ pub(crate) struct Ddl {
     pub(crate) down: Vec<String>,
 }
 
+/// The column types a dialect writes version 1's tables in.
+pub(crate) struct ColumnTypes {
+    pub(crate) text: &'static str,
+    pub(crate) json: &'static str,
+    pub(crate) integer: &'static str,
+    pub(crate) time: &'static str,
+}
+
 /// The statements both dialects write alike.
 impl Ddl {
-    /// The index of version 1 serving due-time lookups.
-    pub(crate) fn due_index(o: &str) -> String {
-        format!("CREATE INDEX IF NOT EXISTS {o}_due_idx ON {o} (state, next_attempt_at)")
-    }
-
-    /// Version 1's `down`: its index and tables.
-    pub(crate) fn v1_down(tables: &OutboxTables) -> Vec<String> {
+    /// Version 1: upstream Trellis 0.11's tables and due index, in `types`.
+    pub(crate) fn v1(tables: &OutboxTables, types: &ColumnTypes) -> Self {
         let (o, i) = (tables.outbox(), tables.inbox());
-        vec![
-            format!("DROP INDEX IF EXISTS {o}_due_idx"),
-            format!("DROP TABLE IF EXISTS {i}"),
-            format!("DROP TABLE IF EXISTS {o}"),
-        ]
+        let ColumnTypes {
+            text: t,
+            json: j,
+            integer: n,
+            time: ts,
+        } = types;
+        Self {
+            up: vec![
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {o} (id {t} PRIMARY KEY, kind {t} NOT NULL, name {t} NOT NULL, subject {t} NOT NULL, payload {t} NOT NULL, headers {j} NOT NULL, state {t} NOT NULL, attempts {n} NOT NULL, created_at {ts} NOT NULL, updated_at {ts} NOT NULL, next_attempt_at {ts}, last_error {t}, outcome {j})"
+                ),
+                format!("CREATE INDEX IF NOT EXISTS {o}_due_idx ON {o} (state, next_attempt_at)"),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {i} (message_id {t} PRIMARY KEY, received_at {ts} NOT NULL)"
+                ),
+            ],
+            down: vec![
+                format!("DROP INDEX IF EXISTS {o}_due_idx"),
+                format!("DROP TABLE IF EXISTS {i}"),
+                format!("DROP TABLE IF EXISTS {o}"),
+            ],
+        }
     }
 
     /// The partial index of version 2 that yields claimable rows in claim order.

@@ -117,12 +117,9 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
         error: &str,
         retry_after: Duration,
     ) -> Result<bool> {
-        let row = (id, claim.token.as_str());
-        let interval = DB::interval(retry_after);
-        DB::mark_row(&self.pool, &self.sql.mark_failed, row, interval, error)
-            .await
-            .map(|changed| changed == 1)
-            .map_err(Error::repository("mark failed"))
+        let (row, delay) = ((id, claim.token.as_str()), DB::interval(retry_after));
+        let changed = DB::mark_row(&self.pool, &self.sql.mark_failed, row, delay, error).await;
+        marked_one(changed, "mark failed")
     }
 
     async fn mark_dead(
@@ -132,12 +129,9 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
         reason: &str,
         count_attempt: bool,
     ) -> Result<bool> {
-        let row = (id, claim.token.as_str());
-        let add = i32::from(count_attempt);
-        DB::mark_row_int(&self.pool, &self.sql.mark_dead, row, add, reason)
-            .await
-            .map(|changed| changed == 1)
-            .map_err(Error::repository("mark dead"))
+        let (row, add) = ((id, claim.token.as_str()), i32::from(count_attempt));
+        let changed = DB::mark_row_int(&self.pool, &self.sql.mark_dead, row, add, reason).await;
+        marked_one(changed, "mark dead")
     }
 
     async fn mark_failures(&self, claim: &Claim, failures: &[Failure]) -> Result<Vec<String>> {
@@ -205,4 +199,11 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
             .await
             .map_err(Error::repository(operation))
     }
+}
+
+/// Whether a mark of one row changed it (`false`: the claim lost its lease).
+fn marked_one(changed: sqlx::Result<u64>, operation: &'static str) -> Result<bool> {
+    changed
+        .map(|rows| rows == 1)
+        .map_err(Error::repository(operation))
 }

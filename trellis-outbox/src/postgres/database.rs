@@ -7,11 +7,11 @@ use sqlx::postgres::{PgConnection, PgQueryResult, PgRow};
 use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, PgPool, Postgres, Transaction};
 
-use super::{schema, sql};
+use super::sql;
 use crate::driver::sealed::{Applied, Backend, MigrationBackend, RowsAffected};
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
-use crate::row::{batch_result, existing_row, first_id, headers_json, read};
+use crate::row::{batch_result, first_id, headers_json, read};
 use crate::sql::{SqlStatements, statement};
 use crate::tables::Dialect;
 use crate::time::now_millis;
@@ -32,6 +32,10 @@ impl Backend for Postgres {
     const DIALECT: Dialect = Dialect::Postgres;
 
     type Time = DateTime<Utc>;
+
+    fn decode(row: &PgRow) -> Result<OutboxMessage> {
+        decode(row)
+    }
 
     fn time(time: DateTime<Utc>) -> DateTime<Utc> {
         time
@@ -69,13 +73,7 @@ impl Backend for Postgres {
         if inserted {
             return Ok(OutboxMessage::pending(record, now));
         }
-        let row = sqlx::query(statement(&sql.select_by_id))
-            .bind(&record.id)
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(enqueue_error)?;
-        let stored = row.as_ref().map(decode).transpose()?;
-        existing_row(&record, stored.as_ref())
+        Self::stored(conn, sql, &record).await
     }
 
     async fn insert_many(
@@ -120,8 +118,9 @@ impl Backend for Postgres {
 }
 
 impl MigrationBackend for Postgres {
-    const BOOKKEEPING: &'static str = schema::BOOKKEEPING;
-    const RECORDED: &'static str = schema::RECORDED;
+    const BOOKKEEPING: &'static str = "CREATE TABLE IF NOT EXISTS trellis_outbox_migrations (outbox_table text NOT NULL, version integer NOT NULL, id text NOT NULL, checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (outbox_table, version))";
+    const RECORDED: &'static str =
+        "SELECT version::int8, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = $1";
 
     async fn begin_migration(pool: &PgPool) -> sqlx::Result<Transaction<'static, Postgres>> {
         let mut tx = pool.begin().await?;
@@ -138,7 +137,9 @@ impl MigrationBackend for Postgres {
         outbox: &str,
         migration: Applied<'_>,
     ) -> sqlx::Result<()> {
-        sqlx::query(schema::RECORD)
+        sqlx::query(
+            "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum) VALUES ($1, $2, $3, $4)",
+        )
             .bind(outbox)
             .bind(i32::try_from(migration.version).unwrap_or(i32::MAX))
             .bind(migration.id)

@@ -1,42 +1,20 @@
-//! The PostgreSQL schema: the DDL of every migration version and the bookkeeping statements.
+//! The PostgreSQL schema: the DDL of every migration version.
 
 use crate::dispatch::KNOWN_STATES;
-use crate::sql::Ddl;
+use crate::sql::{ColumnTypes, Ddl};
 use crate::tables::OutboxTables;
 
-/// Creates the bookkeeping table.
-#[cfg(feature = "postgres")]
-pub(crate) const BOOKKEEPING: &str = "CREATE TABLE IF NOT EXISTS trellis_outbox_migrations (outbox_table text NOT NULL, version integer NOT NULL, id text NOT NULL, checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (outbox_table, version))";
-
-/// `(version, id, checksum)` of the migrations recorded for the outbox table $1.
-#[cfg(feature = "postgres")]
-pub(crate) const RECORDED: &str =
-    "SELECT version::int8, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = $1";
-
-/// Records a migration: outbox table, version, id, checksum.
-#[cfg(feature = "postgres")]
-pub(crate) const RECORD: &str = "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum) VALUES ($1, $2, $3, $4)";
+/// The column types of version 1 (upstream Trellis 0.11's tables, byte for byte).
+const TYPES: ColumnTypes = ColumnTypes {
+    text: "text",
+    json: "jsonb",
+    integer: "integer",
+    time: "timestamptz",
+};
 
 /// The DDL of each version, oldest first.
 pub(crate) fn versions(tables: &OutboxTables) -> Vec<Ddl> {
-    vec![v1(tables), v2(tables), v3(tables)]
-}
-
-/// Version 1: upstream Trellis 0.11's tables and due index, byte for byte.
-fn v1(tables: &OutboxTables) -> Ddl {
-    let (o, i) = (tables.outbox(), tables.inbox());
-    Ddl {
-        up: vec![
-            format!(
-                "CREATE TABLE IF NOT EXISTS {o} (id text PRIMARY KEY, kind text NOT NULL, name text NOT NULL, subject text NOT NULL, payload text NOT NULL, headers jsonb NOT NULL, state text NOT NULL, attempts integer NOT NULL, created_at timestamptz NOT NULL, updated_at timestamptz NOT NULL, next_attempt_at timestamptz, last_error text, outcome jsonb)"
-            ),
-            Ddl::due_index(o),
-            format!(
-                "CREATE TABLE IF NOT EXISTS {i} (message_id text PRIMARY KEY, received_at timestamptz NOT NULL)"
-            ),
-        ],
-        down: Ddl::v1_down(tables),
-    }
+    vec![Ddl::v1(tables, &TYPES), v2(tables), v3(tables)]
 }
 
 /// Version 2: claim leases, fencing tokens and the claim index; a fillfactor of 50 for HOT

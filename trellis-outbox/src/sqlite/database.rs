@@ -8,11 +8,11 @@ use chrono::{DateTime, Utc};
 use sqlx::sqlite::{SqliteConnection, SqliteQueryResult, SqliteRow};
 use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool, Transaction};
 
-use super::{schema, sql};
+use super::sql;
 use crate::driver::sealed::{Applied, Backend, MigrationBackend, RowsAffected};
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
-use crate::row::{RawRow, batch_result, existing_row, first_id, get, headers_json, read};
+use crate::row::{RawRow, batch_result, first_id, get, headers_json, read};
 use crate::sql::{SqlStatements, statement};
 use crate::tables::Dialect;
 use crate::time::{format_timestamp, now_millis};
@@ -34,6 +34,10 @@ impl Backend for Sqlite {
 
     /// Trellis' text format ([`format_timestamp`]).
     type Time = String;
+
+    fn decode(row: &SqliteRow) -> Result<OutboxMessage> {
+        decode(row)
+    }
 
     fn time(time: DateTime<Utc>) -> String {
         format_timestamp(time)
@@ -72,13 +76,7 @@ impl Backend for Sqlite {
         if inserted == 1 {
             return Ok(OutboxMessage::pending(record, now));
         }
-        let row = sqlx::query(statement(&sql.select_by_id))
-            .bind(&record.id)
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(enqueue_error)?;
-        let stored = row.as_ref().map(decode).transpose()?;
-        existing_row(&record, stored.as_ref())
+        Self::stored(conn, sql, &record).await
     }
 
     async fn insert_many(
@@ -117,8 +115,9 @@ impl Backend for Sqlite {
 }
 
 impl MigrationBackend for Sqlite {
-    const BOOKKEEPING: &'static str = schema::BOOKKEEPING;
-    const RECORDED: &'static str = schema::RECORDED;
+    const BOOKKEEPING: &'static str = "CREATE TABLE IF NOT EXISTS trellis_outbox_migrations (outbox_table TEXT NOT NULL, version INTEGER NOT NULL, id TEXT NOT NULL, checksum TEXT NOT NULL, applied_at TEXT NOT NULL, PRIMARY KEY (outbox_table, version))";
+    const RECORDED: &'static str =
+        "SELECT version, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = ?";
 
     async fn begin_migration(pool: &SqlitePool) -> sqlx::Result<Transaction<'static, Sqlite>> {
         // BEGIN IMMEDIATE takes the write lock up front, serialising concurrent callers.
@@ -130,7 +129,9 @@ impl MigrationBackend for Sqlite {
         outbox: &str,
         migration: Applied<'_>,
     ) -> sqlx::Result<()> {
-        sqlx::query(schema::RECORD)
+        sqlx::query(
+            "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum, applied_at) VALUES (?, ?, ?, ?, ?)",
+        )
             .bind(outbox)
             .bind(i64::from(migration.version))
             .bind(migration.id)

@@ -1,42 +1,20 @@
-//! The SQLite schema: the DDL of every migration version and the bookkeeping statements.
+//! The SQLite schema: the DDL of every migration version.
 
 use crate::dispatch::KNOWN_STATES;
-use crate::sql::Ddl;
+use crate::sql::{ColumnTypes, Ddl};
 use crate::tables::OutboxTables;
 
-/// Creates the bookkeeping table.
-#[cfg(feature = "sqlite")]
-pub(crate) const BOOKKEEPING: &str = "CREATE TABLE IF NOT EXISTS trellis_outbox_migrations (outbox_table TEXT NOT NULL, version INTEGER NOT NULL, id TEXT NOT NULL, checksum TEXT NOT NULL, applied_at TEXT NOT NULL, PRIMARY KEY (outbox_table, version))";
-
-/// `(version, id, checksum)` of the migrations recorded for the outbox table ?.
-#[cfg(feature = "sqlite")]
-pub(crate) const RECORDED: &str =
-    "SELECT version, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = ?";
-
-/// Records a migration: outbox table, version, id, checksum, time applied.
-#[cfg(feature = "sqlite")]
-pub(crate) const RECORD: &str = "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum, applied_at) VALUES (?, ?, ?, ?, ?)";
+/// The column types of version 1 (upstream Trellis 0.11's tables, byte for byte).
+const TYPES: ColumnTypes = ColumnTypes {
+    text: "TEXT",
+    json: "TEXT",
+    integer: "INTEGER",
+    time: "TEXT",
+};
 
 /// The DDL of each version, oldest first.
 pub(crate) fn versions(tables: &OutboxTables) -> Vec<Ddl> {
-    vec![v1(tables), v2(tables), v3(tables)]
-}
-
-/// Version 1: upstream Trellis 0.11's tables and due index, byte for byte.
-fn v1(tables: &OutboxTables) -> Ddl {
-    let (o, i) = (tables.outbox(), tables.inbox());
-    Ddl {
-        up: vec![
-            format!(
-                "CREATE TABLE IF NOT EXISTS {o} (id TEXT PRIMARY KEY, kind TEXT NOT NULL, name TEXT NOT NULL, subject TEXT NOT NULL, payload TEXT NOT NULL, headers TEXT NOT NULL, state TEXT NOT NULL, attempts INTEGER NOT NULL, created_at TEXT NOT NULL, updated_at TEXT NOT NULL, next_attempt_at TEXT, last_error TEXT, outcome TEXT)"
-            ),
-            Ddl::due_index(o),
-            format!(
-                "CREATE TABLE IF NOT EXISTS {i} (message_id TEXT PRIMARY KEY, received_at TEXT NOT NULL)"
-            ),
-        ],
-        down: Ddl::v1_down(tables),
-    }
+    vec![Ddl::v1(tables, &TYPES), v2(tables), v3(tables)]
 }
 
 /// Version 2: claim leases, fencing tokens and the claim index.
