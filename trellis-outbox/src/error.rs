@@ -1,6 +1,6 @@
 //! The crate's error type.
 
-use crate::tables::TableKind;
+use std::fmt;
 
 /// A `Result` whose error defaults to this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -308,6 +308,25 @@ fn pg_sqlstate_is_retryable(code: &str) -> bool {
 #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
 fn sqlite_code_is_retryable(code: i32) -> bool {
     matches!(code & 0xff, 5 | 6)
+}
+
+/// Which of the two helper tables a name is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum TableKind {
+    /// The outbox table.
+    Outbox,
+    /// The inbox table.
+    Inbox,
+}
+
+impl fmt::Display for TableKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TableKind::Outbox => "outbox",
+            TableKind::Inbox => "inbox",
+        })
+    }
 }
 
 #[cfg(test)]

@@ -64,6 +64,7 @@ mod chain;
 pub mod cli;
 mod descriptor;
 mod dispatch;
+mod driver;
 mod error;
 mod event;
 mod job;
@@ -71,13 +72,13 @@ mod migrate;
 #[cfg(feature = "nats")]
 mod nats;
 mod outbox;
-#[cfg(feature = "postgres")]
 mod postgres;
 mod record;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 mod row;
 mod setters;
 mod sql;
-#[cfg(feature = "sqlite")]
+mod sql_repository;
 mod sqlite;
 mod subject;
 mod tables;
@@ -85,17 +86,14 @@ mod time;
 mod wire;
 
 pub use crate::descriptor::{TRELLIS_EVENT_DESCRIPTOR, event_descriptor_identity};
-#[cfg(feature = "sqlite")]
-pub use crate::dispatch::SqliteOutboxRepository;
 pub use crate::dispatch::{
     BoxError, Claim, DispatchError, DispatchOptions, DispatchReport, Dispatched, DispatcherBuilder,
     DispatcherHandle, Disposition, ErrorCallback, Failure, FailureOutcome, MAX_RETRY_DELAY,
     MIN_RETRY_DELAY, MemoryOutboxRepository, OutboxDispatcher, OutboxRepository, PoisonRow,
     PublishError, Publisher, RetryOutcome, RetryPolicy, dispatch_outbox,
 };
-#[cfg(feature = "postgres")]
-pub use crate::dispatch::{PgOutboxRepository, PgWakeups};
-pub use crate::error::{Error, Result};
+pub use crate::driver::OutboxDatabase;
+pub use crate::error::{Error, Result, TableKind};
 pub use crate::event::{OutboxEvent, TRACEPARENT, TRACESTATE, TraceContext};
 pub use crate::job::{JobMode, JobSubmission, OutboxJob, REQUEST_ID};
 pub use crate::migrate::{
@@ -109,14 +107,19 @@ pub use crate::nats::{
     JobAdmission, JobDispatcher, JobRef, JobRequest, NoJobDispatcher, StreamCheck,
     StreamCheckError,
 };
-pub use crate::outbox::{Outbox, OutboxDatabase, OutboxTransactionExt};
+pub use crate::outbox::{Outbox, OutboxTransactionExt};
+#[cfg(feature = "postgres")]
+pub use crate::postgres::{PgOutboxRepository, PgWakeups};
 pub use crate::record::{
     InboxReceipt, NATS_MSG_ID, OutboxMessage, OutboxMessageState, OutboxRecordKind,
     PreparedOutboxRecord, TRELLIS_EVENT_TIME, ToOutboxRecord, new_id,
 };
 pub use crate::sql::SqlStatements;
+pub use crate::sql_repository::SqlOutboxRepository;
+#[cfg(feature = "sqlite")]
+pub use crate::sqlite::SqliteOutboxRepository;
 pub use crate::subject::escape_subject_token;
-pub use crate::tables::{Dialect, OutboxTables, TableKind};
+pub use crate::tables::{Dialect, OutboxTables};
 pub use crate::time::format_timestamp;
 /// Derives [`OutboxEvent`] and [`ToOutboxRecord`]; see the [`OutboxEvent`] trait for the
 /// attributes and examples.

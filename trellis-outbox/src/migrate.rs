@@ -2,7 +2,10 @@
 
 use std::fmt::Write as _;
 
+use crate::driver::OutboxDatabase;
+use crate::driver::sealed::Applied;
 use crate::error::Result;
+use crate::sql::Ddl;
 use crate::tables::{Dialect, OutboxTables};
 
 /// The bookkeeping table [`migrate`](crate::migrate()) records applied migrations in.
@@ -93,11 +96,18 @@ fn script(m: &SqlOutboxMigration, direction: &str, statements: &[String]) -> Str
 /// # Ok::<(), trellis_outbox::Error>(())
 /// ```
 pub fn migrations(dialect: Dialect, tables: &OutboxTables) -> Vec<SqlOutboxMigration> {
-    vec![
-        v1(dialect, tables),
-        v2(dialect, tables),
-        v3(dialect, tables),
-    ]
+    let versions = match dialect {
+        Dialect::Postgres => crate::postgres::schema::versions(tables),
+        Dialect::Sqlite => crate::sqlite::schema::versions(tables),
+    };
+    versions
+        .into_iter()
+        .zip(1..)
+        .map(|(Ddl { up, down }, version)| {
+            let id = format!("trellis_sql_outbox_inbox_{dialect}_v{version}");
+            SqlOutboxMigration::new(id, version, dialect, up, down)
+        })
+        .collect()
 }
 
 /// Every migration's `up` script for `dialect` on `tables`, concatenated in version order.
@@ -117,159 +127,19 @@ pub fn migration_script(dialect: Dialect, tables: &OutboxTables) -> String {
         .join("\n")
 }
 
-fn v1(dialect: Dialect, tables: &OutboxTables) -> SqlOutboxMigration {
-    let (o, i) = (tables.outbox(), tables.inbox());
-    let up = match dialect {
-        Dialect::Sqlite => vec![
-            format!(
-                "CREATE TABLE IF NOT EXISTS {o} (id TEXT PRIMARY KEY, kind TEXT NOT NULL, name TEXT NOT NULL, subject TEXT NOT NULL, payload TEXT NOT NULL, headers TEXT NOT NULL, state TEXT NOT NULL, attempts INTEGER NOT NULL, created_at TEXT NOT NULL, updated_at TEXT NOT NULL, next_attempt_at TEXT, last_error TEXT, outcome TEXT)"
-            ),
-            format!("CREATE INDEX IF NOT EXISTS {o}_due_idx ON {o} (state, next_attempt_at)"),
-            format!(
-                "CREATE TABLE IF NOT EXISTS {i} (message_id TEXT PRIMARY KEY, received_at TEXT NOT NULL)"
-            ),
-        ],
-        Dialect::Postgres => vec![
-            format!(
-                "CREATE TABLE IF NOT EXISTS {o} (id text PRIMARY KEY, kind text NOT NULL, name text NOT NULL, subject text NOT NULL, payload text NOT NULL, headers jsonb NOT NULL, state text NOT NULL, attempts integer NOT NULL, created_at timestamptz NOT NULL, updated_at timestamptz NOT NULL, next_attempt_at timestamptz, last_error text, outcome jsonb)"
-            ),
-            format!("CREATE INDEX IF NOT EXISTS {o}_due_idx ON {o} (state, next_attempt_at)"),
-            format!(
-                "CREATE TABLE IF NOT EXISTS {i} (message_id text PRIMARY KEY, received_at timestamptz NOT NULL)"
-            ),
-        ],
-    };
-    let down = vec![
-        format!("DROP INDEX IF EXISTS {o}_due_idx"),
-        format!("DROP TABLE IF EXISTS {i}"),
-        format!("DROP TABLE IF EXISTS {o}"),
-    ];
-    SqlOutboxMigration::new(
-        format!("trellis_sql_outbox_inbox_{dialect}_v1"),
-        1,
-        dialect,
-        up,
-        down,
-    )
-}
-
-/// Version 2 (trellis-outbox): claim leases and fencing tokens, a partial index that serves
-/// the claim query, and (Postgres) a fillfactor of 50 for HOT lease updates and autovacuum
-/// after every 10,000 dead rows (not 20 % of a table that only grows). Additive: new
-/// nullable columns, a new index, a storage parameter (it applies to pages written from now
-/// on; `VACUUM FULL` rewrites existing ones).
-fn v2(dialect: Dialect, tables: &OutboxTables) -> SqlOutboxMigration {
-    let o = tables.outbox();
-    let index = format!(
-        "CREATE INDEX IF NOT EXISTS {o}_claim_idx ON {o} (created_at, id) WHERE state IN ('pending', 'failed')"
-    );
-    let (up, down) = match dialect {
-        Dialect::Postgres => (
-            vec![
-                format!("ALTER TABLE {o} ADD COLUMN IF NOT EXISTS claimed_until timestamptz"),
-                format!("ALTER TABLE {o} ADD COLUMN IF NOT EXISTS claim_token text"),
-                index,
-                // A claim leases consecutive rows, so every row of a page gets a new version
-                // at once: half of each page kept free lets all of them be HOT updates (no
-                // index entries). Measured on a 500-row claim: 12 ms at fillfactor 70 (half
-                // the updates HOT), 4 ms at 50.
-                // Vacuum after a fixed number of dead rows, not 20 % of the table: dispatched
-                // rows stay, so the table only grows, and until a vacuum every claim scans the
-                // claim index entries of all rows dispatched since the last one.
-                format!(
-                    "ALTER TABLE {o} SET (fillfactor = 50, autovacuum_vacuum_scale_factor = 0, \
-                     autovacuum_vacuum_threshold = 10000)"
-                ),
-            ],
-            vec![
-                format!(
-                    "ALTER TABLE {o} RESET (fillfactor, autovacuum_vacuum_scale_factor, \
-                     autovacuum_vacuum_threshold)"
-                ),
-                format!("DROP INDEX IF EXISTS {o}_claim_idx"),
-                format!("ALTER TABLE {o} DROP COLUMN IF EXISTS claim_token"),
-                format!("ALTER TABLE {o} DROP COLUMN IF EXISTS claimed_until"),
-            ],
-        ),
-        Dialect::Sqlite => (
-            vec![
-                format!("ALTER TABLE {o} ADD COLUMN claimed_until TEXT"),
-                format!("ALTER TABLE {o} ADD COLUMN claim_token TEXT"),
-                index,
-            ],
-            vec![
-                format!("DROP INDEX IF EXISTS {o}_claim_idx"),
-                format!("ALTER TABLE {o} DROP COLUMN claim_token"),
-                format!("ALTER TABLE {o} DROP COLUMN claimed_until"),
-            ],
-        ),
-    };
-    SqlOutboxMigration::new(
-        format!("trellis_sql_outbox_inbox_{dialect}_v2"),
-        2,
-        dialect,
-        up,
-        down,
-    )
-}
-
-/// Version 3 (trellis-outbox): the schema refuses rows no dispatcher could finish. A row's
-/// `state` must be one of `pending`, `claimed` (upstream Trellis), `dispatched`, `failed` and
-/// `dead`, and on SQLite its `id` must not be NULL (SQLite lets a `TEXT PRIMARY KEY` hold
-/// NULL). Postgres: a `CHECK` constraint added `NOT VALID`, so existing rows are not checked
-/// (the dispatcher moves them to `dead` when it starts; see
-/// [`OutboxRepository::sweep_unfinishable`](crate::OutboxRepository::sweep_unfinishable)).
-/// SQLite: triggers that abort such inserts and updates; an existing row with a NULL id may
-/// still be moved to `dead` (or given an id).
-fn v3(dialect: Dialect, tables: &OutboxTables) -> SqlOutboxMigration {
-    let o = tables.outbox();
-    let states = crate::dispatch::KNOWN_STATES;
-    let state_message =
-        format!("{o}.state must be one of pending, claimed, dispatched, failed, dead");
-    let (up, down) = match dialect {
-        Dialect::Postgres => (
-            vec![
-                // Dropped first so that the script can be run again.
-                format!("ALTER TABLE {o} DROP CONSTRAINT IF EXISTS {o}_state_ck"),
-                format!(
-                    "ALTER TABLE {o} ADD CONSTRAINT {o}_state_ck CHECK (state IN ({states})) NOT VALID"
-                ),
-            ],
-            vec![format!(
-                "ALTER TABLE {o} DROP CONSTRAINT IF EXISTS {o}_state_ck"
-            )],
-        ),
-        Dialect::Sqlite => (
-            vec![
-                format!(
-                    "CREATE TRIGGER IF NOT EXISTS {o}_insert_ck BEFORE INSERT ON {o} \
-                     WHEN NEW.id IS NULL OR NEW.state IS NULL OR NEW.state NOT IN ({states}) BEGIN \
-                     SELECT RAISE(ABORT, '{o}.id must not be NULL') WHERE NEW.id IS NULL; \
-                     SELECT RAISE(ABORT, '{state_message}'); END"
-                ),
-                format!(
-                    "CREATE TRIGGER IF NOT EXISTS {o}_update_ck BEFORE UPDATE OF id, state ON {o} \
-                     WHEN (NEW.id IS NULL AND (OLD.id IS NOT NULL OR NEW.state IS NOT 'dead')) \
-                     OR NEW.state IS NULL OR NEW.state NOT IN ({states}) BEGIN \
-                     SELECT RAISE(ABORT, '{o}.id must not be NULL (a row whose id is NULL may only be moved to dead)') \
-                     WHERE NEW.id IS NULL AND (OLD.id IS NOT NULL OR NEW.state IS NOT 'dead'); \
-                     SELECT RAISE(ABORT, '{state_message}'); END"
-                ),
-            ],
-            vec![
-                format!("DROP TRIGGER IF EXISTS {o}_update_ck"),
-                format!("DROP TRIGGER IF EXISTS {o}_insert_ck"),
-            ],
-        ),
-    };
-    SqlOutboxMigration::new(
-        format!("trellis_sql_outbox_inbox_{dialect}_v3"),
-        3,
-        dialect,
-        up,
-        down,
-    )
-}
+// The versions (the DDL of each is its dialect's `schema.rs`):
+//
+// 1. Upstream Trellis 0.11's tables and due index, byte for byte, with its ids and checksums.
+// 2. (trellis-outbox) Claim leases and fencing tokens, a partial index that serves the claim
+//    query, and on Postgres storage parameters for the claim's updates. Additive: new
+//    nullable columns, a new index, a storage parameter.
+// 3. (trellis-outbox) The schema refuses rows no dispatcher could finish. A row's `state`
+//    must be one of `pending`, `claimed` (upstream Trellis), `dispatched`, `failed` and
+//    `dead`, and on SQLite its `id` must not be NULL. Postgres: a `CHECK` constraint added
+//    `NOT VALID`, so existing rows are not checked (the dispatcher moves them to `dead` when
+//    it starts; see
+//    [`OutboxRepository::sweep_unfinishable`](crate::OutboxRepository::sweep_unfinishable)).
+//    SQLite: triggers that abort such inserts and updates.
 
 /// Trellis' migration checksum: `fnv1a64:` + [`fnv1a64_hex`] of
 /// `["-- up", ...up, "-- down", ...down].join("\n")`.
@@ -330,7 +200,7 @@ pub struct MigrationReport {
 /// # Errors
 ///
 /// As [`migrate_with`].
-pub async fn migrate<DB: crate::OutboxDatabase>(pool: &sqlx::Pool<DB>) -> Result<MigrationReport> {
+pub async fn migrate<DB: OutboxDatabase>(pool: &sqlx::Pool<DB>) -> Result<MigrationReport> {
     migrate_with(pool, &OutboxTables::default()).await
 }
 
@@ -345,17 +215,17 @@ pub async fn migrate<DB: crate::OutboxDatabase>(pool: &sqlx::Pool<DB>) -> Result
 /// [`Error::ChecksumMismatch`](crate::Error::ChecksumMismatch) naming the migration if a
 /// recorded checksum differs from this library's (nothing is applied then), and
 /// [`Error::Migrate`](crate::Error::Migrate) naming the failing step if the database fails.
-pub async fn migrate_with<DB: crate::OutboxDatabase>(
+pub async fn migrate_with<DB: OutboxDatabase>(
     pool: &sqlx::Pool<DB>,
     tables: &OutboxTables,
 ) -> Result<MigrationReport> {
     let mut tx = DB::begin_migration(pool)
         .await
         .map_err(migrate_error("begin"))?;
-    DB::run_ddl(&mut tx, bookkeeping_ddl(DB::DIALECT))
+    DB::run_ddl(&mut tx, DB::BOOKKEEPING)
         .await
         .map_err(migrate_error("bookkeeping table"))?;
-    let recorded = DB::recorded_migrations(&mut tx, tables.outbox())
+    let recorded = DB::fetch_migrations(&mut tx, DB::RECORDED, tables.outbox())
         .await
         .map_err(migrate_error("read applied migrations"))?;
     let mut report = MigrationReport::default();
@@ -365,7 +235,12 @@ pub async fn migrate_with<DB: crate::OutboxDatabase>(
                 .await
                 .map_err(migrate_error(&m.id))?;
         }
-        DB::record_migration(&mut tx, tables.outbox(), &m)
+        let applied = Applied {
+            version: m.version,
+            id: &m.id,
+            checksum: &m.checksum,
+        };
+        DB::record_migration(&mut tx, tables.outbox(), applied)
             .await
             .map_err(migrate_error(&m.id))?;
         tracing::info!(migration = %m.id, "applied outbox migration");
@@ -409,18 +284,6 @@ pub(crate) fn plan(
     Ok(pending)
 }
 
-/// Statement creating the bookkeeping table.
-pub(crate) fn bookkeeping_ddl(dialect: Dialect) -> &'static str {
-    match dialect {
-        Dialect::Postgres => {
-            "CREATE TABLE IF NOT EXISTS trellis_outbox_migrations (outbox_table text NOT NULL, version integer NOT NULL, id text NOT NULL, checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (outbox_table, version))"
-        }
-        Dialect::Sqlite => {
-            "CREATE TABLE IF NOT EXISTS trellis_outbox_migrations (outbox_table TEXT NOT NULL, version INTEGER NOT NULL, id TEXT NOT NULL, checksum TEXT NOT NULL, applied_at TEXT NOT NULL, PRIMARY KEY (outbox_table, version))"
-        }
-    }
-}
-
 /// Maps a driver error during `step` to [`Error::Migrate`](crate::Error::Migrate).
 pub(crate) fn migrate_error(step: &str) -> impl Fn(sqlx::Error) -> crate::Error + '_ {
     move |source| crate::Error::Migrate {
@@ -452,7 +315,7 @@ mod tests {
     fn canonical_text_matches_upstream_length() {
         let tables = OutboxTables::default();
         for (dialect, len) in [(Dialect::Sqlite, 645), (Dialect::Postgres, 675)] {
-            let m = v1(dialect, &tables);
+            let m = migrations(dialect, &tables).remove(0);
             let canonical = ["-- up".to_owned()]
                 .into_iter()
                 .chain(m.up.iter().cloned())

@@ -5,72 +5,13 @@ use std::sync::{Arc, LazyLock};
 
 use sqlx::Transaction;
 
+use crate::driver::OutboxDatabase;
 use crate::error::{Error, Result};
 use crate::job::{JobSubmission, OutboxJob};
 use crate::record::{InboxReceipt, OutboxMessage, PreparedOutboxRecord, ToOutboxRecord};
 use crate::sql::SqlStatements;
 use crate::tables::{Dialect, OutboxTables};
-
-pub(crate) mod sealed {
-    use super::*;
-
-    /// Backend operations. Public but unnameable: users cannot implement or call it.
-    pub trait Backend: sqlx::Database {
-        const DIALECT: Dialect;
-
-        fn insert_one<'a>(
-            conn: &'a mut Self::Connection,
-            sql: &'a SqlStatements,
-            record: PreparedOutboxRecord,
-        ) -> impl Future<Output = Result<OutboxMessage>> + Send + 'a;
-
-        fn insert_many<'a>(
-            conn: &'a mut Self::Connection,
-            sql: &'a SqlStatements,
-            records: Vec<PreparedOutboxRecord>,
-        ) -> impl Future<Output = Result<Vec<OutboxMessage>>> + Send + 'a;
-
-        fn record_inbox<'a>(
-            conn: &'a mut Self::Connection,
-            sql: &'a SqlStatements,
-            message_id: &'a str,
-        ) -> impl Future<Output = Result<InboxReceipt>> + Send + 'a;
-
-        /// Begins the migration transaction, serialised against concurrent migrators.
-        fn begin_migration(
-            pool: &sqlx::Pool<Self>,
-        ) -> impl Future<Output = sqlx::Result<Transaction<'static, Self>>> + Send;
-
-        /// `(version, id, checksum)` of the migrations recorded for `outbox`.
-        fn recorded_migrations<'a>(
-            tx: &'a mut Transaction<'static, Self>,
-            outbox: &'a str,
-        ) -> impl Future<Output = sqlx::Result<Vec<(i64, String, String)>>> + Send + 'a;
-
-        /// Runs one DDL statement.
-        fn run_ddl<'a>(
-            tx: &'a mut Transaction<'static, Self>,
-            statement: &'a str,
-        ) -> impl Future<Output = sqlx::Result<()>> + Send + 'a;
-
-        /// Records `migration` as applied to `outbox`.
-        fn record_migration<'a>(
-            tx: &'a mut Transaction<'static, Self>,
-            outbox: &'a str,
-            migration: &'a crate::migrate::SqlOutboxMigration,
-        ) -> impl Future<Output = sqlx::Result<()>> + Send + 'a;
-    }
-}
-
-/// A database trellis-outbox can store outboxes in: [`sqlx::Postgres`] and [`sqlx::Sqlite`].
-///
-/// This trait is sealed.
-pub trait OutboxDatabase: sealed::Backend {}
-
-#[cfg(feature = "postgres")]
-impl OutboxDatabase for sqlx::Postgres {}
-#[cfg(feature = "sqlite")]
-impl OutboxDatabase for sqlx::Sqlite {}
+use crate::time::now_millis;
 
 /// An outbox and inbox on a given pair of tables.
 ///
@@ -269,7 +210,19 @@ impl Outbox {
         message_id: &str,
     ) -> Result<InboxReceipt> {
         check_message_id(message_id)?;
-        DB::record_inbox(&mut **tx, self.sql(DB::DIALECT), message_id).await
+        let sql = &self.sql(DB::DIALECT).inbox_insert;
+        let received_at = DB::time(now_millis());
+        let affected = DB::execute_pair(&mut **tx, sql, message_id, received_at)
+            .await
+            .map_err(|source| Error::RecordInbox {
+                message_id: message_id.to_owned(),
+                source,
+            })?;
+        Ok(if affected == 1 {
+            InboxReceipt::Accepted
+        } else {
+            InboxReceipt::Duplicate
+        })
     }
 }
 

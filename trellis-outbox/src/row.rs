@@ -1,97 +1,190 @@
-//! Decoding stored rows, shared by both backends.
+//! From a stored row to an [`OutboxMessage`], for every database: the one decoder, with the
+//! rules that make a row poison, and the checks an enqueue makes against a stored row.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
+use crate::time::parse_timestamp;
 
-/// A row as read from the database, before the checks every backend shares.
-pub(crate) struct RawRow {
+/// A stored value as a driver hands it over: already decoded (Postgres' `timestamptz` and
+/// `jsonb`) or as text still to parse (SQLite). Parsing failures name the column.
+pub(crate) trait Stored<T> {
+    fn into_value(self, id: &str, column: &'static str) -> Result<T>;
+}
+
+impl Stored<DateTime<Utc>> for DateTime<Utc> {
+    fn into_value(self, _: &str, _: &'static str) -> Result<DateTime<Utc>> {
+        Ok(self)
+    }
+}
+
+impl Stored<DateTime<Utc>> for &str {
+    fn into_value(self, id: &str, column: &'static str) -> Result<DateTime<Utc>> {
+        parse_timestamp(self).map_err(|e| Error::decode(id, column, format!("{self:?}: {e}")))
+    }
+}
+
+impl<T> Stored<T> for sqlx::types::Json<T> {
+    fn into_value(self, _: &str, _: &'static str) -> Result<T> {
+        Ok(self.0)
+    }
+}
+
+impl Stored<BTreeMap<String, String>> for &str {
+    fn into_value(self, id: &str, column: &'static str) -> Result<BTreeMap<String, String>> {
+        serde_json::from_str(self)
+            .map_err(|e| Error::decode(id, column, format!("not a JSON object of strings: {e}")))
+    }
+}
+
+impl Stored<serde_json::Value> for Cow<'_, str> {
+    fn into_value(self, id: &str, column: &'static str) -> Result<serde_json::Value> {
+        serde_json::from_str(&self).map_err(|e| Error::decode(id, column, format!("not JSON: {e}")))
+    }
+}
+
+impl Stored<serde_json::Value> for &str {
+    fn into_value(self, id: &str, column: &'static str) -> Result<serde_json::Value> {
+        Cow::Borrowed(self).into_value(id, column)
+    }
+}
+
+/// Attempts: `integer` (Postgres) or `INTEGER` (SQLite), stored by other writers too.
+fn attempts<N>(n: N, id: &str, column: &'static str) -> Result<u32>
+where
+    N: Copy + std::fmt::Display,
+    u32: TryFrom<N>,
+{
+    u32::try_from(n).map_err(|_| Error::decode(id, column, format!("{n} is out of range")))
+}
+
+impl Stored<u32> for i32 {
+    fn into_value(self, id: &str, column: &'static str) -> Result<u32> {
+        attempts(self, id, column)
+    }
+}
+
+impl Stored<u32> for i64 {
+    fn into_value(self, id: &str, column: &'static str) -> Result<u32> {
+        attempts(self, id, column)
+    }
+}
+
+/// A row's values as read, before the checks every database shares. Text that does not end
+/// up in the message as text (kind, state, and on SQLite headers, times and outcome) is
+/// borrowed from the row, not copied.
+pub(crate) struct RawRow<'r, Time, Headers, Outcome, Attempts> {
     pub(crate) id: String,
-    pub(crate) kind: String,
+    pub(crate) kind: &'r str,
     pub(crate) name: String,
     pub(crate) subject: String,
     pub(crate) payload: String,
-    pub(crate) headers: BTreeMap<String, String>,
-    pub(crate) state: String,
-    pub(crate) attempts: i64,
-    pub(crate) created_at: DateTime<Utc>,
-    pub(crate) updated_at: DateTime<Utc>,
-    pub(crate) next_attempt_at: Option<DateTime<Utc>>,
+    pub(crate) headers: Headers,
+    pub(crate) state: &'r str,
+    pub(crate) attempts: Attempts,
+    pub(crate) created_at: Time,
+    pub(crate) updated_at: Time,
+    pub(crate) next_attempt_at: Option<Time>,
     pub(crate) last_error: Option<String>,
-    pub(crate) outcome: Option<serde_json::Value>,
+    pub(crate) outcome: Option<Outcome>,
 }
 
-impl RawRow {
+impl<T, H, O, A> RawRow<'_, T, H, O, A>
+where
+    T: Stored<DateTime<Utc>>,
+    H: Stored<BTreeMap<String, String>>,
+    O: Stored<serde_json::Value>,
+    A: Stored<u32>,
+{
+    /// The message, or why the row is poison: an unknown kind or state, malformed headers,
+    /// attempts out of range, a time or outcome that does not parse.
     pub(crate) fn into_message(self) -> Result<OutboxMessage> {
-        let id = self.id;
+        let id = self.id.as_str();
         let kind = self
             .kind
             .parse()
-            .map_err(|e: Error| Error::decode(&id, "kind", e))?;
+            .map_err(|e: Error| Error::decode(id, "kind", e))?;
+        let headers = self.headers.into_value(id, "headers")?;
         let state = self
             .state
             .parse()
-            .map_err(|e: Error| Error::decode(&id, "state", e))?;
-        let attempts = u32::try_from(self.attempts).map_err(|_| {
-            Error::decode(
-                &id,
-                "attempts",
-                format!("{} is out of range", self.attempts),
-            )
-        })?;
+            .map_err(|e: Error| Error::decode(id, "state", e))?;
+        let attempts = self.attempts.into_value(id, "attempts")?;
+        let created_at = self.created_at.into_value(id, "created_at")?;
+        let updated_at = self.updated_at.into_value(id, "updated_at")?;
+        let next_attempt_at = self
+            .next_attempt_at
+            .map(|t| t.into_value(id, "next_attempt_at"))
+            .transpose()?;
+        let outcome = self
+            .outcome
+            .map(|o| o.into_value(id, "outcome"))
+            .transpose()?;
         Ok(OutboxMessage {
-            id,
+            id: self.id,
             kind,
             name: self.name,
             subject: self.subject,
             payload: self.payload,
-            headers: self.headers,
+            headers,
             state,
             attempts,
-            created_at: self.created_at,
-            updated_at: self.updated_at,
-            next_attempt_at: self.next_attempt_at,
+            created_at,
+            updated_at,
+            next_attempt_at,
             last_error: self.last_error,
-            outcome: self.outcome,
+            outcome,
         })
     }
 }
 
-/// The position of each column in [`COLUMNS`](crate::sql::COLUMNS), the order every query
-/// that decodes a message selects them in. Reading by position avoids a name lookup per
-/// column per row.
-pub(crate) const COLUMN_NAMES: [&str; 13] = [
-    "id",
-    "kind",
-    "name",
-    "subject",
-    "payload",
-    "headers",
-    "state",
-    "attempts",
-    "created_at",
-    "updated_at",
-    "next_attempt_at",
-    "last_error",
-    "outcome",
-];
-
-/// Reads the column named `name` (by its position in `COLUMNS`), turning a driver error into
-/// [`Error::Decode`].
-pub(crate) fn column<'r, R, T>(row: &'r R, id: &str, name: &'static str) -> Result<T>
+/// Reads column `index` (by position: no name lookup per column per row), turning a driver
+/// error into [`Error::Decode`] about the column `name`.
+pub(crate) fn get<'r, R, T>(row: &'r R, id: &str, index: usize, name: &'static str) -> Result<T>
 where
     R: sqlx::Row,
     T: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     usize: sqlx::ColumnIndex<R>,
 {
-    let index = COLUMN_NAMES
-        .iter()
-        .position(|c| *c == name)
-        .unwrap_or(usize::MAX);
     row.try_get(index).map_err(|e| Error::decode(id, name, e))
+}
+
+/// Reads a row that selected [`COLUMNS`](crate::sql::COLUMNS) first, in order, as the
+/// database's types `T` (times), `H` (headers), `O` (outcome) and `A` (attempts).
+pub(crate) fn read<'r, R, T, H, O, A>(row: &'r R) -> Result<RawRow<'r, T, H, O, A>>
+where
+    R: sqlx::Row,
+    usize: sqlx::ColumnIndex<R>,
+    String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    &'r str: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    T: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    Option<T>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    H: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    Option<O>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    A: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let id: String = get(row, "", 0, "id")?;
+    let i = id.as_str();
+    Ok(RawRow {
+        kind: get(row, i, 1, "kind")?,
+        name: get(row, i, 2, "name")?,
+        subject: get(row, i, 3, "subject")?,
+        payload: get(row, i, 4, "payload")?,
+        headers: get(row, i, 5, "headers")?,
+        state: get(row, i, 6, "state")?,
+        attempts: get(row, i, 7, "attempts")?,
+        created_at: get(row, i, 8, "created_at")?,
+        updated_at: get(row, i, 9, "updated_at")?,
+        next_attempt_at: get(row, i, 10, "next_attempt_at")?,
+        last_error: get(row, i, 11, "last_error")?,
+        outcome: get(row, i, 12, "outcome")?,
+        id,
+    })
 }
 
 /// Headers a retry of the same logical event re-creates with new values, so they are not
@@ -187,6 +280,19 @@ where
         .iter()
         .map(|r| existing_row(r, stored.get(&r.id)))
         .collect()
+}
+
+/// A record's headers as the JSON text both databases store.
+pub(crate) fn headers_json(record: &PreparedOutboxRecord) -> Result<String> {
+    serde_json::to_string(&record.headers).map_err(|source| Error::Serialize {
+        what: "outbox headers",
+        source,
+    })
+}
+
+/// The id of a batch's first record, naming a failed batch insert.
+pub(crate) fn first_id(batch: &[PreparedOutboxRecord]) -> String {
+    batch.first().map(|r| r.id.clone()).unwrap_or_default()
 }
 
 #[cfg(test)]

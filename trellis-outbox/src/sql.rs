@@ -1,6 +1,12 @@
-//! SQL text, built once per table set from validated identifiers.
+//! The statements trellis-outbox sends, one set per dialect and table set.
+//!
+//! The text of each dialect lives in its driver module (`postgres/sql.rs`, `sqlite/sql.rs`),
+//! built once per table set from validated identifiers; this module holds the set both
+//! dialects share and what every statement is for.
 
 use std::sync::Arc;
+
+use sqlx::AssertSqlSafe;
 
 use crate::tables::{Dialect, OutboxTables};
 
@@ -27,52 +33,51 @@ pub(crate) const COLUMNS: &str = "id, kind, name, subject, payload, headers, sta
 /// );
 /// ```
 #[derive(Debug, Clone)]
+// Without a driver, nothing sends the dispatch statements.
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
 pub struct SqlStatements {
     pub(crate) dialect: Dialect,
     pub(crate) outbox_table: Arc<str>,
-    pub(crate) enqueue: Arc<str>,
-    pub(crate) select_by_id: Arc<str>,
-    pub(crate) inbox_insert: Arc<str>,
     pub(crate) notify_channel: Arc<str>,
     /// Whether Postgres enqueues send `NOTIFY` (see [`Outbox::without_notify`](crate::Outbox::without_notify)).
     pub(crate) notify: bool,
+    /// One row; on Postgres also notifies ($14 = channel, NULL for none).
+    pub(crate) enqueue: Arc<str>,
+    /// One stored row by id, [`COLUMNS`] in order.
+    pub(crate) select_by_id: Arc<str>,
+    pub(crate) inbox_insert: Arc<str>,
+    /// Fenced by the claim token, like every mark below.
+    pub(crate) mark_dispatched: Arc<str>,
+    /// `mark_dispatched` storing an outcome per row (events have none: the plain form saves
+    /// the per-row lookup).
+    pub(crate) mark_dispatched_with_outcomes: Arc<str>,
+    /// One row: id, token, retry delay, error.
+    pub(crate) mark_failed: Arc<str>,
+    /// One row: id, token, attempts to add (0 or 1), reason.
+    pub(crate) mark_dead: Arc<str>,
+    /// Many rows, each `failed` or `dead`; returns the ids marked.
+    pub(crate) mark_failures: Arc<str>,
+    /// Ids, token, lease.
+    pub(crate) extend_lease: Arc<str>,
+    /// Ids, token.
+    pub(crate) release: Arc<str>,
+    /// An operator's retry of one `failed` or `dead` row not under a live lease.
+    pub(crate) retry: Arc<str>,
+    /// Moves rows no claim can finish to `dead`; returns (id, reason).
+    pub(crate) sweep_unfinishable: Arc<str>,
+    /// Seconds until the next row is due (NULL when no row is open).
+    pub(crate) next_due_in: Arc<str>,
 }
 
 impl SqlStatements {
     pub(crate) fn new(dialect: Dialect, tables: &OutboxTables, notify: bool) -> Self {
-        let (o, i) = (tables.outbox(), tables.inbox());
-        let (enqueue, select_by_id, inbox_insert) = match dialect {
-            Dialect::Sqlite => (
-                format!(
-                    "INSERT INTO {o} ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO NOTHING"
-                ),
-                format!("SELECT {COLUMNS} FROM {o} WHERE id = ?"),
-                format!(
-                    "INSERT INTO {i} (message_id, received_at) VALUES (?, ?) ON CONFLICT(message_id) DO NOTHING"
-                ),
-            ),
-            // Upstream's INSERT, wrapped so that a row actually inserted also sends a wake-up
-            // notification ($14 = channel; NULL sends none) in the same round trip; Postgres
-            // delivers it only when the transaction commits.
-            Dialect::Postgres => (
-                format!(
-                    "WITH inserted AS (INSERT INTO {o} ({COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) ON CONFLICT (id) DO NOTHING RETURNING 1) \
-                     SELECT CASE WHEN $14::text IS NOT NULL THEN pg_notify($14, '')::text END FROM inserted"
-                ),
-                format!("SELECT {COLUMNS} FROM {o} WHERE id = $1"),
-                format!(
-                    "INSERT INTO {i} (message_id, received_at) VALUES ($1, $2) ON CONFLICT (message_id) DO NOTHING"
-                ),
-            ),
+        let statements = match dialect {
+            Dialect::Postgres => crate::postgres::sql::statements(tables),
+            Dialect::Sqlite => crate::sqlite::sql::statements(tables),
         };
         Self {
-            dialect,
-            outbox_table: o.into(),
-            enqueue: enqueue.into(),
-            select_by_id: select_by_id.into(),
-            inbox_insert: inbox_insert.into(),
-            notify_channel: notify_channel(tables).into(),
-            notify,
+            notify: notify && statements.notify,
+            ..statements
         }
     }
 
@@ -117,7 +122,66 @@ impl SqlStatements {
     }
 }
 
+/// A statement for `sqlx::query`: shares the text instead of copying it per query.
+pub(crate) fn statement(text: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
+    AssertSqlSafe(Arc::clone(text))
+}
+
 /// The wake-up channel of an outbox table.
 pub(crate) fn notify_channel(tables: &OutboxTables) -> String {
     format!("{}_wakeup", tables.outbox())
+}
+
+/// The statements of one schema version in one dialect: the dialect's `schema.rs` writes
+/// them, [`migrate`](crate::migrate) numbers and checksums them.
+pub(crate) struct Ddl {
+    /// Statements that apply the version, without trailing semicolons.
+    pub(crate) up: Vec<String>,
+    /// Statements that revert it.
+    pub(crate) down: Vec<String>,
+}
+
+/// The column types a dialect writes version 1's tables in.
+pub(crate) struct ColumnTypes {
+    pub(crate) text: &'static str,
+    pub(crate) json: &'static str,
+    pub(crate) integer: &'static str,
+    pub(crate) time: &'static str,
+}
+
+/// The statements both dialects write alike.
+impl Ddl {
+    /// Version 1: upstream Trellis 0.11's tables and due index, in `types`.
+    pub(crate) fn v1(tables: &OutboxTables, types: &ColumnTypes) -> Self {
+        let (o, i) = (tables.outbox(), tables.inbox());
+        let ColumnTypes {
+            text: t,
+            json: j,
+            integer: n,
+            time: ts,
+        } = types;
+        Self {
+            up: vec![
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {o} (id {t} PRIMARY KEY, kind {t} NOT NULL, name {t} NOT NULL, subject {t} NOT NULL, payload {t} NOT NULL, headers {j} NOT NULL, state {t} NOT NULL, attempts {n} NOT NULL, created_at {ts} NOT NULL, updated_at {ts} NOT NULL, next_attempt_at {ts}, last_error {t}, outcome {j})"
+                ),
+                format!("CREATE INDEX IF NOT EXISTS {o}_due_idx ON {o} (state, next_attempt_at)"),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {i} (message_id {t} PRIMARY KEY, received_at {ts} NOT NULL)"
+                ),
+            ],
+            down: vec![
+                format!("DROP INDEX IF EXISTS {o}_due_idx"),
+                format!("DROP TABLE IF EXISTS {i}"),
+                format!("DROP TABLE IF EXISTS {o}"),
+            ],
+        }
+    }
+
+    /// The partial index of version 2 that yields claimable rows in claim order.
+    pub(crate) fn claim_index(o: &str) -> String {
+        format!(
+            "CREATE INDEX IF NOT EXISTS {o}_claim_idx ON {o} (created_at, id) WHERE state IN ('pending', 'failed')"
+        )
+    }
 }

@@ -2,26 +2,7 @@
 
 use std::fmt;
 
-use crate::error::{Error, Result};
-
-/// Which of the two helper tables a name is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum TableKind {
-    /// The outbox table.
-    Outbox,
-    /// The inbox table.
-    Inbox,
-}
-
-impl fmt::Display for TableKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            TableKind::Outbox => "outbox",
-            TableKind::Inbox => "inbox",
-        })
-    }
-}
+use crate::error::{Error, Result, TableKind};
 
 /// The SQL dialects trellis-outbox speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

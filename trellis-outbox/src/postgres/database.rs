@@ -1,0 +1,176 @@
+//! The PostgreSQL driver: enqueue, the row decoder's Postgres types, and migrations.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use sqlx::postgres::{PgConnection, PgQueryResult, PgRow};
+use sqlx::types::Json;
+use sqlx::{AssertSqlSafe, PgPool, Postgres, Transaction};
+
+use super::sql;
+use crate::driver::sealed::{Applied, Backend, MigrationBackend, RowsAffected};
+use crate::error::{Error, Result};
+use crate::record::{OutboxMessage, PreparedOutboxRecord};
+use crate::row::{batch_result, first_id, headers_json, read};
+use crate::sql::{SqlStatements, statement};
+use crate::tables::Dialect;
+use crate::time::now_millis;
+
+/// Rows per `UNNEST` insert: bounds the size of one statement's arrays.
+const BATCH_ROWS: usize = 5_000;
+
+/// Advisory lock key serialising `migrate` calls: the ASCII bytes of "trellism".
+const MIGRATE_LOCK_KEY: i64 = 0x7472_656c_6c69_736d;
+
+impl RowsAffected for PgQueryResult {
+    fn rows_affected(&self) -> u64 {
+        PgQueryResult::rows_affected(self)
+    }
+}
+
+impl Backend for Postgres {
+    const DIALECT: Dialect = Dialect::Postgres;
+
+    type Time = DateTime<Utc>;
+
+    fn decode(row: &PgRow) -> Result<OutboxMessage> {
+        decode(row)
+    }
+
+    fn time(time: DateTime<Utc>) -> DateTime<Utc> {
+        time
+    }
+
+    async fn insert_one(
+        conn: &mut PgConnection,
+        sql: &SqlStatements,
+        record: PreparedOutboxRecord,
+    ) -> Result<OutboxMessage> {
+        let now = now_millis();
+        let enqueue_error = |source| Error::Enqueue {
+            id: record.id.clone(),
+            source,
+        };
+        let inserted = sqlx::query(statement(&sql.enqueue))
+            .bind(&record.id)
+            .bind(record.kind.as_str())
+            .bind(&record.name)
+            .bind(&record.subject)
+            .bind(&record.payload)
+            .bind(Json(&record.headers))
+            .bind("pending")
+            .bind(0_i32)
+            .bind(now)
+            .bind(now)
+            .bind(None::<DateTime<Utc>>)
+            .bind(None::<String>)
+            .bind(None::<Json<serde_json::Value>>)
+            .bind(sql.notify_bind())
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(enqueue_error)?
+            .is_some();
+        if inserted {
+            return Ok(OutboxMessage::pending(record, now));
+        }
+        Self::stored(conn, sql, &record).await
+    }
+
+    async fn insert_many(
+        conn: &mut PgConnection,
+        sql: &SqlStatements,
+        records: Vec<PreparedOutboxRecord>,
+    ) -> Result<Vec<OutboxMessage>> {
+        let now = now_millis();
+        let insert = sql::insert_batch(sql);
+        let mut inserted = 0;
+        for chunk in records.chunks(BATCH_ROWS) {
+            let mut columns: [Vec<&str>; 5] = Default::default();
+            let mut headers = Vec::with_capacity(chunk.len());
+            for r in chunk {
+                columns[0].push(&r.id);
+                columns[1].push(r.kind.as_str());
+                columns[2].push(&r.name);
+                columns[3].push(&r.subject);
+                columns[4].push(&r.payload);
+                headers.push(headers_json(r)?);
+            }
+            let [ids, kinds, names, subjects, payloads] = columns;
+            let (count, _): (i64, Option<String>) = sqlx::query_as(AssertSqlSafe(insert.as_str()))
+                .bind(ids)
+                .bind(kinds)
+                .bind(names)
+                .bind(subjects)
+                .bind(payloads)
+                .bind(headers)
+                .bind(now)
+                .bind(sql.notify_bind())
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(|source| Error::Enqueue {
+                    id: first_id(chunk),
+                    source,
+                })?;
+            inserted += u64::try_from(count).unwrap_or(0);
+        }
+        batch_result(records, inserted, now, |ids| read_stored(conn, sql, ids)).await
+    }
+}
+
+impl MigrationBackend for Postgres {
+    const BOOKKEEPING: &'static str = "CREATE TABLE IF NOT EXISTS trellis_outbox_migrations (outbox_table text NOT NULL, version integer NOT NULL, id text NOT NULL, checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (outbox_table, version))";
+    const RECORDED: &'static str =
+        "SELECT version::int8, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = $1";
+
+    async fn begin_migration(pool: &PgPool) -> sqlx::Result<Transaction<'static, Postgres>> {
+        let mut tx = pool.begin().await?;
+        // Serialises concurrent migrate calls; released at commit or rollback.
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(MIGRATE_LOCK_KEY)
+            .execute(&mut *tx)
+            .await?;
+        Ok(tx)
+    }
+
+    async fn record_migration(
+        tx: &mut Transaction<'static, Postgres>,
+        outbox: &str,
+        migration: Applied<'_>,
+    ) -> sqlx::Result<()> {
+        sqlx::query(
+            "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum) VALUES ($1, $2, $3, $4)",
+        )
+            .bind(outbox)
+            .bind(i32::try_from(migration.version).unwrap_or(i32::MAX))
+            .bind(migration.id)
+            .bind(migration.checksum)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+/// Reads the stored rows of `ids`.
+async fn read_stored(
+    conn: &mut PgConnection,
+    sql: &SqlStatements,
+    ids: Vec<String>,
+) -> Result<BTreeMap<String, OutboxMessage>> {
+    let rows = sqlx::query(AssertSqlSafe(sql::select_stored(sql)))
+        .bind(&ids)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(|source| Error::Enqueue {
+            id: ids.first().cloned().unwrap_or_default(),
+            source,
+        })?;
+    rows.iter()
+        .map(|row| decode(row).map(|message| (message.id.clone(), message)))
+        .collect()
+}
+
+/// Decodes a row that selected [`COLUMNS`](crate::sql::COLUMNS) first, in order.
+pub(crate) fn decode(row: &PgRow) -> Result<OutboxMessage> {
+    read::<_, DateTime<Utc>, Json<BTreeMap<String, String>>, Json<serde_json::Value>, i32>(row)?
+        .into_message()
+}

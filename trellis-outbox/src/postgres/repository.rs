@@ -1,0 +1,167 @@
+//! The PostgreSQL steps of [`SqlOutboxRepository`](crate::SqlOutboxRepository): the claim with
+//! `FOR UPDATE SKIP LOCKED`, the batched marks over `UNNEST` arrays, retry and sweep.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::{Postgres, Row};
+
+use super::database::decode;
+use super::sql::PgOnly;
+use crate::dispatch::{Claim, Dispatched, Failure, FailureOutcome, PoisonRow, RetryOutcome};
+use crate::driver::sealed::On;
+use crate::driver::sealed::RepositoryBackend;
+use crate::driver::sql_seconds;
+use crate::error::{Error, Result};
+use crate::record::new_id;
+use crate::sql::statement;
+use crate::tables::OutboxTables;
+
+impl RepositoryBackend for Postgres {
+    type Only = PgOnly;
+    /// Seconds, for `make_interval(secs => …)`.
+    type Interval = f64;
+    type Ids<'a> = &'a [&'a str];
+
+    // The claim skips locked rows, and claim, publish and mark touch disjoint rows.
+    const OVERLAPS_BATCHES: bool = true;
+
+    fn only(tables: &OutboxTables) -> PgOnly {
+        PgOnly::new(tables)
+    }
+
+    fn interval(duration: Duration) -> f64 {
+        sql_seconds(duration)
+    }
+
+    fn ids<'a>(ids: &'a [&'a str]) -> Result<&'a [&'a str]> {
+        Ok(ids)
+    }
+
+    async fn claim_due(
+        on: On<'_, Self>,
+        limit: usize,
+        lease: Duration,
+        cutoff: Option<DateTime<Utc>>,
+    ) -> Result<Claim> {
+        let token = new_id();
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = sqlx::query(statement(&on.only.claim))
+            .bind(limit)
+            .bind(sql_seconds(lease))
+            .bind(&token)
+            .bind(cutoff)
+            .fetch_all(on.pool)
+            .await
+            .map_err(Error::repository("claim"))?;
+        let Some(first) = rows.first() else {
+            return Ok(Claim::empty(token, cutoff.unwrap_or_else(Utc::now)));
+        };
+        let cutoff: DateTime<Utc> = first
+            .try_get("claim_cutoff")
+            .map_err(|e| Error::decode("", "claim_cutoff", e))?;
+        let mut claim = Claim::empty(token, cutoff);
+        claim.extend(&rows, decode, |row| row.try_get("id").ok());
+        Ok(claim)
+    }
+
+    async fn mark_dispatched(on: On<'_, Self>, token: &str, rows: &[Dispatched]) -> Result<u64> {
+        let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
+        let query = if rows.iter().all(|r| r.outcome.is_none()) {
+            sqlx::query(statement(&on.sql.mark_dispatched))
+                .bind(ids)
+                .bind(token)
+        } else {
+            let outcomes: Vec<Option<String>> = rows
+                .iter()
+                .map(|r| r.outcome.as_ref().map(serde_json::Value::to_string))
+                .collect();
+            sqlx::query(statement(&on.sql.mark_dispatched_with_outcomes))
+                .bind(ids)
+                .bind(outcomes)
+                .bind(token)
+        };
+        let result = query
+            .execute(on.pool)
+            .await
+            .map_err(Error::repository("mark dispatched"))?;
+        Ok(result.rows_affected())
+    }
+
+    async fn mark_failures(
+        on: On<'_, Self>,
+        token: &str,
+        failures: &[Failure],
+    ) -> Result<Vec<String>> {
+        let mut ids = Vec::with_capacity(failures.len());
+        let mut errors = Vec::with_capacity(failures.len());
+        let mut delays = Vec::with_capacity(failures.len());
+        let mut adds = Vec::with_capacity(failures.len());
+        for failure in failures {
+            ids.push(failure.id.as_str());
+            errors.push(failure.error.as_str());
+            let (delay, add) = match failure.outcome {
+                FailureOutcome::Retry { after } => (Some(sql_seconds(after)), 1),
+                FailureOutcome::Dead { count_attempt } => (None, i32::from(count_attempt)),
+            };
+            delays.push(delay);
+            adds.push(add);
+        }
+        sqlx::query_scalar(statement(&on.sql.mark_failures))
+            .bind(ids)
+            .bind(errors)
+            .bind(delays)
+            .bind(adds)
+            .bind(token)
+            .fetch_all(on.pool)
+            .await
+            .map_err(Error::repository("mark failures"))
+    }
+
+    async fn retry(on: On<'_, Self>, id: &str) -> Result<RetryOutcome> {
+        let row = sqlx::query(statement(&on.sql.retry))
+            .bind(id)
+            .fetch_optional(on.pool)
+            .await
+            .map_err(Error::repository("retry"))?;
+        let Some(row) = row else {
+            return Ok(RetryOutcome::NotFound);
+        };
+        let retried: bool = row
+            .try_get("retried")
+            .map_err(|e| Error::decode(id, "retried", e))?;
+        if retried {
+            return Ok(RetryOutcome::Retried);
+        }
+        let state: Option<String> = row
+            .try_get("state")
+            .map_err(|e| Error::decode(id, "state", e))?;
+        let state = state.unwrap_or_default();
+        if !matches!(state.as_str(), "failed" | "dead") {
+            return Ok(RetryOutcome::NotRetryable { state });
+        }
+        let until: Option<DateTime<Utc>> = row
+            .try_get("claimed_until")
+            .map_err(|e| Error::decode(id, "claimed_until", e))?;
+        match until {
+            Some(until) => Ok(RetryOutcome::Leased { until }),
+            // Not reached: a failed or dead row is refused only under a lease.
+            None => Ok(RetryOutcome::NotRetryable { state }),
+        }
+    }
+
+    async fn sweep_unfinishable(on: On<'_, Self>) -> Result<Vec<PoisonRow>> {
+        let rows: Vec<(String, Option<String>)> =
+            sqlx::query_as(statement(&on.sql.sweep_unfinishable))
+                .fetch_all(on.pool)
+                .await
+                .map_err(Error::repository("sweep unfinishable rows"))?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, reason)| PoisonRow {
+                id,
+                reason: reason.unwrap_or_default(),
+            })
+            .collect())
+    }
+}

@@ -1,0 +1,178 @@
+//! Every statement trellis-outbox sends to PostgreSQL (except the schema's DDL, in
+//! `schema.rs`), built once per table set from validated identifiers.
+
+use crate::dispatch::KNOWN_STATES;
+use crate::sql::{COLUMNS, SqlStatements, notify_channel};
+use crate::tables::{Dialect, OutboxTables};
+
+/// The statements both dialects send, in Postgres' words.
+pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
+    let (o, i) = (tables.outbox(), tables.inbox());
+    SqlStatements {
+        dialect: Dialect::Postgres,
+        outbox_table: o.into(),
+        notify_channel: notify_channel(tables).into(),
+        notify: true,
+        // Upstream's INSERT, wrapped so that a row actually inserted also sends a wake-up
+        // notification ($14 = channel; NULL sends none) in the same round trip; Postgres
+        // delivers it only when the transaction commits.
+        enqueue: format!(
+            "WITH inserted AS (INSERT INTO {o} ({COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) ON CONFLICT (id) DO NOTHING RETURNING 1) \
+             SELECT CASE WHEN $14::text IS NOT NULL THEN pg_notify($14, '')::text END FROM inserted"
+        )
+        .into(),
+        select_by_id: format!("SELECT {COLUMNS} FROM {o} WHERE id = $1").into(),
+        inbox_insert: format!(
+            "INSERT INTO {i} (message_id, received_at) VALUES ($1, $2) ON CONFLICT (message_id) DO NOTHING"
+        )
+        .into(),
+        mark_dispatched: format!(
+            "UPDATE {o} SET state = 'dispatched', updated_at = now(), next_attempt_at = NULL, \
+             last_error = NULL, outcome = NULL, claimed_until = NULL, claim_token = NULL \
+             WHERE id = ANY($1) AND claim_token = $2"
+        )
+        .into(),
+        mark_dispatched_with_outcomes: format!(
+            "UPDATE {o} AS o SET state = 'dispatched', updated_at = now(), next_attempt_at = NULL, \
+             last_error = NULL, outcome = d.outcome::jsonb, claimed_until = NULL, claim_token = NULL \
+             FROM UNNEST($1::text[], $2::text[]) AS d(id, outcome) \
+             WHERE o.id = d.id AND o.claim_token = $3"
+        )
+        .into(),
+        mark_failed: format!(
+            "UPDATE {o} SET state = 'failed', attempts = attempts + 1, updated_at = now(), \
+             next_attempt_at = now() + make_interval(secs => $3), last_error = $4, \
+             claimed_until = NULL, claim_token = NULL \
+             WHERE id = $1 AND claim_token = $2"
+        )
+        .into(),
+        mark_dead: format!(
+            "UPDATE {o} SET state = 'dead', attempts = attempts + $3, updated_at = now(), \
+             next_attempt_at = NULL, last_error = $4, claimed_until = NULL, claim_token = NULL \
+             WHERE id = $1 AND claim_token = $2"
+        )
+        .into(),
+        // $1 ids, $2 errors, $3 retry delays in seconds (NULL: dead), $4 attempts to add,
+        // $5 token.
+        mark_failures: format!(
+            "UPDATE {o} AS o SET \
+             state = CASE WHEN f.delay IS NULL THEN 'dead' ELSE 'failed' END, \
+             attempts = LEAST(o.attempts::int8 + f.add, 2147483647)::int4, updated_at = now(), \
+             next_attempt_at = now() + make_interval(secs => f.delay), last_error = f.error, \
+             claimed_until = NULL, claim_token = NULL \
+             FROM UNNEST($1::text[], $2::text[], $3::float8[], $4::int4[]) AS f(id, error, delay, add) \
+             WHERE o.id = f.id AND o.claim_token = $5 \
+             RETURNING o.id"
+        )
+        .into(),
+        extend_lease: format!(
+            "UPDATE {o} SET claimed_until = now() + make_interval(secs => $3) \
+             WHERE id = ANY($1) AND claim_token = $2"
+        )
+        .into(),
+        release: format!(
+            "UPDATE {o} SET claimed_until = NULL, claim_token = NULL \
+             WHERE id = ANY($1) AND claim_token = $2"
+        )
+        .into(),
+        // One statement: `found` locks the row (FOR UPDATE reads its latest committed
+        // version) and decides; `reset` updates it only if no live lease holds it; the
+        // result says what was found either way (no result: no such row).
+        retry: format!(
+            "WITH found AS (SELECT id, state, claimed_until, \
+             (claim_token IS NOT NULL AND claimed_until IS NOT NULL AND claimed_until > now()) AS leased \
+             FROM {o} WHERE id = $1 FOR UPDATE), \
+             reset AS (UPDATE {o} AS o SET state = 'pending', attempts = 0, updated_at = now(), \
+             next_attempt_at = NULL, claimed_until = NULL, claim_token = NULL \
+             FROM found WHERE o.id = found.id AND found.state IN ('failed', 'dead') AND NOT found.leased \
+             RETURNING o.id) \
+             SELECT found.state, found.claimed_until, EXISTS (SELECT 1 FROM reset) AS retried \
+             FROM found"
+        )
+        .into(),
+        // Rows no claim can finish: unknown states, and open rows never due or never
+        // claimable again.
+        sweep_unfinishable: format!(
+            "UPDATE {o} SET state = 'dead', updated_at = now(), next_attempt_at = NULL, \
+             claimed_until = NULL, claim_token = NULL, \
+             last_error = CASE WHEN state IS NULL THEN 'state is NULL' \
+             WHEN state NOT IN ({KNOWN_STATES}) THEN 'unknown state ' || to_json(left(state, 100))::text \
+             WHEN next_attempt_at = 'infinity' THEN 'next_attempt_at is infinity (never due)' \
+             ELSE 'claimed_until is infinity (never claimable)' END \
+             WHERE state IS NULL OR state NOT IN ({KNOWN_STATES}) \
+             OR (state IN ('pending', 'failed') \
+             AND (next_attempt_at = 'infinity' OR claimed_until = 'infinity')) \
+             RETURNING id, last_error"
+        )
+        .into(),
+        // Clamped to [now, now + 100 years]: an infinite time (written by another
+        // writer) cannot be subtracted from now() and would fail every call.
+        next_due_in: format!(
+            "SELECT CASE WHEN at IS NOT NULL THEN EXTRACT(EPOCH FROM \
+             (LEAST(GREATEST(at, now()), now() + interval '100 years') - now()))::float8 END \
+             FROM (SELECT min(GREATEST(COALESCE(next_attempt_at, now()), COALESCE(claimed_until, now()))) AS at \
+             FROM {o} WHERE state IN ('pending', 'failed')) AS due"
+        )
+        .into(),
+    }
+}
+
+/// The statements only Postgres sends.
+#[derive(Debug)]
+#[cfg(feature = "postgres")]
+pub struct PgOnly {
+    /// $1 limit, $2 lease in seconds, $3 token, $4 cutoff or NULL (now). Returns
+    /// [`COLUMNS`] and the cutoff used.
+    ///
+    /// `WHERE id = ANY(ARRAY(SELECT id …))`: the `ARRAY(…)` form makes the planner update the
+    /// claimed rows through the primary key, where `id IN (SELECT …)` may become a hash join
+    /// over a full scan of the table. The claim commits with `synchronous_commit = off`, for
+    /// that transaction only: a lease is bookkeeping, and losing one in a server crash only
+    /// makes its rows claimable again, so the claim need not wait for the WAL flush.
+    pub(crate) claim: std::sync::Arc<str>,
+}
+
+#[cfg(feature = "postgres")]
+impl PgOnly {
+    pub(crate) fn new(tables: &OutboxTables) -> Self {
+        let o = tables.outbox();
+        Self {
+            claim: format!(
+                "UPDATE {o} SET claimed_until = now() + make_interval(secs => $2), claim_token = $3 \
+                 WHERE id = ANY(ARRAY(SELECT id FROM {o} \
+                 WHERE state IN ('pending', 'failed') \
+                 AND (next_attempt_at IS NULL OR next_attempt_at <= COALESCE($4, now())) \
+                 AND (claimed_until IS NULL OR claimed_until <= now()) \
+                 ORDER BY created_at, id LIMIT $1 FOR UPDATE SKIP LOCKED)) \
+                 AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL \
+                 RETURNING {COLUMNS}, COALESCE($4, now()) AS claim_cutoff"
+            )
+            .into(),
+        }
+    }
+}
+
+/// The batch enqueue: $1–$6 the records' id, kind, name, subject, payload and headers as
+/// arrays, $7 the time, $8 the notify channel (NULL: none). Returns the inserted count.
+#[cfg(feature = "postgres")]
+pub(crate) fn insert_batch(sql: &SqlStatements) -> String {
+    let o = &*sql.outbox_table;
+    format!(
+        "WITH inserted AS (INSERT INTO {o} ({COLUMNS}) \
+         SELECT t.id, t.kind, t.name, t.subject, t.payload, t.headers::jsonb, 'pending', 0, $7, $7, NULL, NULL, NULL \
+         FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[]) \
+         AS t(id, kind, name, subject, payload, headers) \
+         ON CONFLICT (id) DO NOTHING RETURNING 1), \
+         counted AS (SELECT count(*) AS n FROM inserted) \
+         SELECT n, CASE WHEN n > 0 AND $8::text IS NOT NULL THEN pg_notify($8, '')::text END FROM counted"
+    )
+}
+
+/// The stored rows of the ids in the array $1.
+#[cfg(feature = "postgres")]
+pub(crate) fn select_stored(sql: &SqlStatements) -> String {
+    format!(
+        "SELECT {COLUMNS} FROM {} WHERE id = ANY($1)",
+        sql.outbox_table
+    )
+}

@@ -1,0 +1,209 @@
+//! [`OutboxRepository`] on an SQL database: one implementation over the driver interface;
+//! the statements and the dialect's own steps (claim, batched marks, retry, sweep) are the
+//! driver's.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::Pool;
+
+use crate::dispatch::{
+    Claim, Dispatched, Failure, OutboxRepository, PoisonRow, RetryOutcome, due_in,
+};
+use crate::driver::OutboxDatabase;
+use crate::driver::sealed::On;
+use crate::error::{Error, Result};
+use crate::sql::SqlStatements;
+use crate::tables::OutboxTables;
+
+/// The outbox repository on an SQL database: claims under a lease and a fencing token, using
+/// the database's clock. Name it by its database: [`PgOutboxRepository`](crate::PgOutboxRepository)
+/// or [`SqliteOutboxRepository`](crate::SqliteOutboxRepository), whose pages say how each
+/// claims.
+///
+/// Needs migration version 2 ([`migrate`](crate::migrate())).
+///
+/// # Examples
+///
+/// Generic over the database, as [`sqlx::Pool`] is:
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use trellis_outbox::{OutboxDatabase, OutboxRepository, SqlOutboxRepository};
+///
+/// # async fn run<DB: OutboxDatabase>(pool: sqlx::Pool<DB>) -> Result<(), trellis_outbox::Error> {
+/// let repository = SqlOutboxRepository::new(pool);
+/// let claim = repository.claim_due(100, Duration::from_secs(30), None).await?;
+/// println!("claimed {} rows", claim.len());
+/// # Ok(()) }
+/// ```
+pub struct SqlOutboxRepository<DB: OutboxDatabase> {
+    pool: Pool<DB>,
+    sql: Arc<SqlStatements>,
+    only: Arc<DB::Only>,
+}
+
+impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
+    /// A repository on the default tables.
+    pub fn new(pool: Pool<DB>) -> Self {
+        Self::with_tables(pool, &OutboxTables::default())
+    }
+
+    /// A repository on `tables`.
+    pub fn with_tables(pool: Pool<DB>, tables: &OutboxTables) -> Self {
+        Self {
+            pool,
+            sql: Arc::new(SqlStatements::new(DB::DIALECT, tables, false)),
+            only: Arc::new(DB::only(tables)),
+        }
+    }
+
+    /// The pool this repository uses.
+    pub fn pool(&self) -> &Pool<DB> {
+        &self.pool
+    }
+
+    fn on(&self) -> On<'_, DB> {
+        On {
+            pool: &self.pool,
+            sql: &self.sql,
+            only: &self.only,
+        }
+    }
+}
+
+impl<DB: OutboxDatabase> Clone for SqlOutboxRepository<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            sql: Arc::clone(&self.sql),
+            only: Arc::clone(&self.only),
+        }
+    }
+}
+
+impl<DB: OutboxDatabase> std::fmt::Debug for SqlOutboxRepository<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqlOutboxRepository")
+            .field("pool", &self.pool)
+            .field("sql", &self.sql)
+            .field("only", &self.only)
+            .finish()
+    }
+}
+
+impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
+    async fn claim_due(
+        &self,
+        limit: usize,
+        lease: Duration,
+        cutoff: Option<DateTime<Utc>>,
+    ) -> Result<Claim> {
+        DB::claim_due(self.on(), limit, lease, cutoff).await
+    }
+
+    async fn mark_dispatched(&self, claim: &Claim, rows: &[Dispatched]) -> Result<u64> {
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        DB::mark_dispatched(self.on(), &claim.token, rows).await
+    }
+
+    async fn mark_failed(
+        &self,
+        claim: &Claim,
+        id: &str,
+        error: &str,
+        retry_after: Duration,
+    ) -> Result<bool> {
+        let (row, delay) = ((id, claim.token.as_str()), DB::interval(retry_after));
+        let changed = DB::mark_row(&self.pool, &self.sql.mark_failed, row, delay, error).await;
+        marked_one(changed, "mark failed")
+    }
+
+    async fn mark_dead(
+        &self,
+        claim: &Claim,
+        id: &str,
+        reason: &str,
+        count_attempt: bool,
+    ) -> Result<bool> {
+        let (row, add) = ((id, claim.token.as_str()), i32::from(count_attempt));
+        let changed = DB::mark_row_int(&self.pool, &self.sql.mark_dead, row, add, reason).await;
+        marked_one(changed, "mark dead")
+    }
+
+    async fn mark_failures(&self, claim: &Claim, failures: &[Failure]) -> Result<Vec<String>> {
+        if failures.is_empty() {
+            return Ok(Vec::new());
+        }
+        DB::mark_failures(self.on(), &claim.token, failures).await
+    }
+
+    fn extends_leases(&self) -> bool {
+        true
+    }
+
+    async fn extend_lease(&self, claim: &Claim, ids: &[&str], lease: Duration) -> Result<u64> {
+        self.update_leases(
+            "extend lease",
+            &self.sql.extend_lease,
+            claim,
+            ids,
+            Some(lease),
+        )
+        .await
+    }
+
+    async fn release(&self, claim: &Claim, ids: &[&str]) -> Result<u64> {
+        self.update_leases("release", &self.sql.release, claim, ids, None)
+            .await
+    }
+
+    async fn retry(&self, id: &str) -> Result<RetryOutcome> {
+        DB::retry(self.on(), id).await
+    }
+
+    async fn sweep_unfinishable(&self) -> Result<Vec<PoisonRow>> {
+        DB::sweep_unfinishable(self.on()).await
+    }
+
+    async fn next_due_in(&self) -> Result<Option<Duration>> {
+        let seconds = DB::fetch_seconds(&self.pool, &self.sql.next_due_in)
+            .await
+            .map_err(Error::repository("next due"))?;
+        Ok(seconds.map(due_in))
+    }
+
+    fn overlaps_batches(&self) -> bool {
+        DB::OVERLAPS_BATCHES
+    }
+}
+
+impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
+    /// Runs `sql` on the rows `ids` still held by `claim`, with the new `lease` if any.
+    async fn update_leases(
+        &self,
+        operation: &'static str,
+        sql: &Arc<str>,
+        claim: &Claim,
+        ids: &[&str],
+        lease: Option<Duration>,
+    ) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let lease = lease.map(DB::interval);
+        DB::mark_rows(&self.pool, sql, DB::ids(ids)?, &claim.token, lease)
+            .await
+            .map_err(Error::repository(operation))
+    }
+}
+
+/// Whether a mark of one row changed it (`false`: the claim lost its lease).
+fn marked_one(changed: sqlx::Result<u64>, operation: &'static str) -> Result<bool> {
+    changed
+        .map(|rows| rows == 1)
+        .map_err(Error::repository(operation))
+}

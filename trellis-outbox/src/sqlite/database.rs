@@ -1,0 +1,224 @@
+//! The SQLite driver: enqueue, the row decoder's SQLite types (and the packed claim rows),
+//! and migrations.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use sqlx::sqlite::{SqliteConnection, SqliteQueryResult, SqliteRow};
+use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool, Transaction};
+
+use super::sql;
+use crate::driver::sealed::{Applied, Backend, MigrationBackend, RowsAffected};
+use crate::error::{Error, Result};
+use crate::record::{OutboxMessage, PreparedOutboxRecord};
+use crate::row::{RawRow, batch_result, first_id, get, headers_json, read};
+use crate::sql::{SqlStatements, statement};
+use crate::tables::Dialect;
+use crate::time::{format_timestamp, now_millis};
+
+/// Bind parameters per batch-insert row.
+const PARAMS_PER_ROW: usize = 8;
+/// Rows per multi-row insert: 8 × 1,000 parameters stays far below SQLite's default limit
+/// of 32,766 (and the 999 of SQLite builds before 3.32 would need 124; we require 3.35).
+pub(crate) const BATCH_ROWS: usize = 1_000;
+
+impl RowsAffected for SqliteQueryResult {
+    fn rows_affected(&self) -> u64 {
+        SqliteQueryResult::rows_affected(self)
+    }
+}
+
+impl Backend for Sqlite {
+    const DIALECT: Dialect = Dialect::Sqlite;
+
+    /// Trellis' text format ([`format_timestamp`]).
+    type Time = String;
+
+    fn decode(row: &SqliteRow) -> Result<OutboxMessage> {
+        decode(row)
+    }
+
+    fn time(time: DateTime<Utc>) -> String {
+        format_timestamp(time)
+    }
+
+    async fn insert_one(
+        conn: &mut SqliteConnection,
+        sql: &SqlStatements,
+        record: PreparedOutboxRecord,
+    ) -> Result<OutboxMessage> {
+        let now = now_millis();
+        let stamp = format_timestamp(now);
+        let headers = headers_json(&record)?;
+        let enqueue_error = |source| Error::Enqueue {
+            id: record.id.clone(),
+            source,
+        };
+        let inserted = sqlx::query(statement(&sql.enqueue))
+            .bind(&record.id)
+            .bind(record.kind.as_str())
+            .bind(&record.name)
+            .bind(&record.subject)
+            .bind(&record.payload)
+            .bind(headers)
+            .bind("pending")
+            .bind(0_i32)
+            .bind(&stamp)
+            .bind(&stamp)
+            .bind(None::<String>)
+            .bind(None::<String>)
+            .bind(None::<String>)
+            .execute(&mut *conn)
+            .await
+            .map_err(enqueue_error)?
+            .rows_affected();
+        if inserted == 1 {
+            return Ok(OutboxMessage::pending(record, now));
+        }
+        Self::stored(conn, sql, &record).await
+    }
+
+    async fn insert_many(
+        conn: &mut SqliteConnection,
+        sql: &SqlStatements,
+        records: Vec<PreparedOutboxRecord>,
+    ) -> Result<Vec<OutboxMessage>> {
+        let now = now_millis();
+        let stamp = format_timestamp(now);
+        let mut inserted = 0;
+        for chunk in records.chunks(BATCH_ROWS) {
+            debug_assert!(chunk.len() * PARAMS_PER_ROW <= 32_766);
+            let mut query = sqlx::query(AssertSqlSafe(sql::insert_rows(sql, chunk.len())));
+            for r in chunk {
+                query = query
+                    .bind(&r.id)
+                    .bind(r.kind.as_str())
+                    .bind(&r.name)
+                    .bind(&r.subject)
+                    .bind(&r.payload)
+                    .bind(headers_json(r)?)
+                    .bind(&stamp)
+                    .bind(&stamp);
+            }
+            inserted += query
+                .execute(&mut *conn)
+                .await
+                .map_err(|source| Error::Enqueue {
+                    id: first_id(chunk),
+                    source,
+                })?
+                .rows_affected();
+        }
+        batch_result(records, inserted, now, |ids| read_stored(conn, sql, ids)).await
+    }
+}
+
+impl MigrationBackend for Sqlite {
+    const BOOKKEEPING: &'static str = "CREATE TABLE IF NOT EXISTS trellis_outbox_migrations (outbox_table TEXT NOT NULL, version INTEGER NOT NULL, id TEXT NOT NULL, checksum TEXT NOT NULL, applied_at TEXT NOT NULL, PRIMARY KEY (outbox_table, version))";
+    const RECORDED: &'static str =
+        "SELECT version, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = ?";
+
+    async fn begin_migration(pool: &SqlitePool) -> sqlx::Result<Transaction<'static, Sqlite>> {
+        // BEGIN IMMEDIATE takes the write lock up front, serialising concurrent callers.
+        pool.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    async fn record_migration(
+        tx: &mut Transaction<'static, Sqlite>,
+        outbox: &str,
+        migration: Applied<'_>,
+    ) -> sqlx::Result<()> {
+        sqlx::query(
+            "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum, applied_at) VALUES (?, ?, ?, ?, ?)",
+        )
+            .bind(outbox)
+            .bind(i64::from(migration.version))
+            .bind(migration.id)
+            .bind(migration.checksum)
+            .bind(format_timestamp(now_millis()))
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+/// Reads the stored rows of `ids`.
+async fn read_stored(
+    conn: &mut SqliteConnection,
+    sql: &SqlStatements,
+    ids: Vec<String>,
+) -> Result<BTreeMap<String, OutboxMessage>> {
+    let mut stored = BTreeMap::new();
+    for chunk in ids.chunks(BATCH_ROWS) {
+        let mut query = sqlx::query(AssertSqlSafe(sql::select_stored(sql, chunk.len())));
+        for id in chunk {
+            query = query.bind(id.as_str());
+        }
+        let rows = query
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|source| Error::Enqueue {
+                id: chunk.first().cloned().unwrap_or_default(),
+                source,
+            })?;
+        for row in &rows {
+            let message = decode(row)?;
+            stored.insert(message.id.clone(), message);
+        }
+    }
+    Ok(stored)
+}
+
+/// Decodes a row that selected [`COLUMNS`](crate::sql::COLUMNS) first, in order.
+pub(crate) fn decode(row: &SqliteRow) -> Result<OutboxMessage> {
+    read::<_, &str, &str, &str, i64>(row)?.into_message()
+}
+
+/// The packed values of [`CLAIM_COLUMNS`](sql::CLAIM_COLUMNS), in order.
+type Packed<'r> = (
+    &'r str,
+    &'r str,
+    i64,
+    &'r str,
+    &'r str,
+    Option<&'r str>,
+    Option<String>,
+    Option<Cow<'r, str>>,
+);
+
+/// Decodes a row a claim returned ([`CLAIM_COLUMNS`](sql::CLAIM_COLUMNS)).
+///
+/// `Ok(None)`: the packed values are not what a decodable row holds (say `attempts` is text,
+/// a time holds a character JSON escapes, or a column holds a BLOB); read the row's columns
+/// one by one ([`decode`]) to learn exactly what is wrong with it.
+pub(crate) fn decode_claimed(row: &SqliteRow) -> Result<Option<OutboxMessage>> {
+    let id: String = get(row, "", 0, "id")?;
+    let id_ref = id.as_str();
+    let packed = row
+        .try_get::<&str, _>(5)
+        .ok()
+        .and_then(|text| serde_json::from_str::<Packed<'_>>(text).ok());
+    let Some((kind, state, attempts, created_at, updated_at, next_attempt_at, last_error, outcome)) =
+        packed
+    else {
+        return Ok(None);
+    };
+    RawRow {
+        kind,
+        name: get(row, id_ref, 1, "name")?,
+        subject: get(row, id_ref, 2, "subject")?,
+        payload: get(row, id_ref, 3, "payload")?,
+        headers: get::<_, &str>(row, id_ref, 4, "headers")?,
+        state,
+        attempts,
+        created_at,
+        updated_at,
+        next_attempt_at,
+        last_error,
+        outcome,
+        id,
+    }
+    .into_message()
+    .map(Some)
+}

@@ -1,0 +1,232 @@
+//! The SQLite steps of [`SqlOutboxRepository`](crate::SqlOutboxRepository): the claim (one
+//! `UPDATE … RETURNING` of packed rows), the batched marks over JSON arrays, retry and sweep.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::sqlite::SqliteRow;
+use sqlx::{AssertSqlSafe, Row, Sqlite};
+
+use super::database::{decode, decode_claimed};
+use super::sql::{CLAIM_COLUMN_COUNT, SqliteOnly};
+use crate::dispatch::{Claim, Dispatched, Failure, FailureOutcome, PoisonRow, RetryOutcome};
+use crate::driver::sealed::On;
+use crate::driver::sealed::RepositoryBackend;
+use crate::driver::sql_seconds;
+use crate::error::{Error, Result};
+use crate::record::new_id;
+use crate::sql::statement;
+use crate::tables::OutboxTables;
+use crate::time::{format_timestamp, parse_timestamp};
+
+impl RepositoryBackend for Sqlite {
+    type Only = SqliteOnly;
+    /// A date modifier: `+1.500 seconds`.
+    type Interval = String;
+    /// A JSON array.
+    type Ids<'a> = String;
+
+    // Writers queue behind one lock: overlapping batches would only add lock waits.
+    const OVERLAPS_BATCHES: bool = false;
+
+    fn only(tables: &OutboxTables) -> SqliteOnly {
+        SqliteOnly::new(tables)
+    }
+
+    fn interval(duration: Duration) -> String {
+        format!("+{:.3} seconds", sql_seconds(duration))
+    }
+
+    fn ids<'a>(ids: &'a [&'a str]) -> Result<String> {
+        json_array(&ids)
+    }
+
+    async fn claim_due(
+        on: On<'_, Self>,
+        limit: usize,
+        lease: Duration,
+        cutoff: Option<DateTime<Utc>>,
+    ) -> Result<Claim> {
+        let token = new_id();
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        // The first claim of a wave learns the cutoff (the database's clock) from the claim
+        // itself; later claims pass it in and need not read it back.
+        let sql = on.only.claim.get(limit, cutoff.is_none());
+        // One autocommit UPDATE: SQLite takes the write lock when the statement starts, so
+        // the claim is atomic and concurrent claimers queue on the busy timeout (the same
+        // guarantee as BEGIN IMMEDIATE, in one round trip).
+        let rows = sqlx::query(AssertSqlSafe(sql))
+            .bind(Self::interval(lease))
+            .bind(&token)
+            .bind(cutoff.map(format_timestamp))
+            .fetch_all(on.pool)
+            .await
+            .map_err(Error::repository("claim"))?;
+        let Some(first) = rows.first() else {
+            return Ok(Claim::empty(token, cutoff.unwrap_or_else(Utc::now)));
+        };
+        let cutoff = match cutoff {
+            Some(cutoff) => cutoff,
+            None => {
+                let text: &str = first
+                    .try_get(CLAIM_COLUMN_COUNT)
+                    .map_err(|e| Error::decode("", "claim_cutoff", e))?;
+                parse_timestamp(text)
+                    .map_err(|e| Error::decode("", "claim_cutoff", format!("{text:?}: {e}")))?
+            }
+        };
+        let mut claim = Claim::empty(token, cutoff);
+        // Rows whose packed values are unusual, to be read column by column.
+        let mut unread = Vec::new();
+        for row in &rows {
+            match decode_claimed(row) {
+                Ok(Some(message)) => claim.push_message(message),
+                // decode_claimed read the id before answering None.
+                Ok(None) => unread.push(row.try_get::<String, _>(0).unwrap_or_default()),
+                Err(error) => claim.poisoned.push(PoisonRow {
+                    id: row.try_get(0).unwrap_or_default(),
+                    reason: error.to_string(),
+                }),
+            }
+        }
+        drop(rows);
+        let unread = if unread.is_empty() {
+            Vec::new()
+        } else {
+            read_claimed(on, &claim.token, &unread).await?
+        };
+        // Also puts every message in dispatch order: RETURNING does not keep the claim
+        // subquery's order.
+        claim.extend(&unread, decode, |row| row.try_get(0).ok());
+        Ok(claim)
+    }
+
+    async fn mark_dispatched(on: On<'_, Self>, token: &str, rows: &[Dispatched]) -> Result<u64> {
+        // Events carry no outcome: the plain statement avoids a per-row JSON lookup.
+        let (sql, list) = if rows.iter().all(|r| r.outcome.is_none()) {
+            let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
+            (&on.sql.mark_dispatched, json_array(&ids)?)
+        } else {
+            let pairs: Vec<(&str, &Option<serde_json::Value>)> =
+                rows.iter().map(|r| (r.id.as_str(), &r.outcome)).collect();
+            (&on.sql.mark_dispatched_with_outcomes, json_array(&pairs)?)
+        };
+        let result = sqlx::query(statement(sql))
+            .bind(list)
+            .bind(token)
+            .execute(on.pool)
+            .await
+            .map_err(Error::repository("mark dispatched"))?;
+        Ok(result.rows_affected())
+    }
+
+    async fn mark_failures(
+        on: On<'_, Self>,
+        token: &str,
+        failures: &[Failure],
+    ) -> Result<Vec<String>> {
+        let entries: Vec<(&str, &str, Option<String>, i32)> = failures
+            .iter()
+            .map(|f| match f.outcome {
+                FailureOutcome::Retry { after } => (
+                    f.id.as_str(),
+                    f.error.as_str(),
+                    Some(Self::interval(after)),
+                    1,
+                ),
+                FailureOutcome::Dead { count_attempt } => (
+                    f.id.as_str(),
+                    f.error.as_str(),
+                    None,
+                    i32::from(count_attempt),
+                ),
+            })
+            .collect();
+        sqlx::query_scalar(statement(&on.sql.mark_failures))
+            .bind(json_array(&entries)?)
+            .bind(token)
+            .fetch_all(on.pool)
+            .await
+            .map_err(Error::repository("mark failures"))
+    }
+
+    async fn retry(on: On<'_, Self>, id: &str) -> Result<RetryOutcome> {
+        // BEGIN IMMEDIATE takes the write lock first: no claim can come between the update
+        // and the read of why it changed nothing.
+        let mut tx = on
+            .pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(Error::repository("retry"))?;
+        let result = sqlx::query(statement(&on.sql.retry))
+            .bind(id)
+            .execute(&mut *tx)
+            .await
+            .map_err(Error::repository("retry"))?;
+        let outcome = if result.rows_affected() > 0 {
+            RetryOutcome::Retried
+        } else {
+            let found: Option<(Vec<u8>, Option<String>)> =
+                sqlx::query_as(statement(&on.only.retry_refusal))
+                    .bind(id)
+                    .fetch_optional(&mut *tx)
+                    .await
+                    .map_err(Error::repository("retry"))?;
+            match found {
+                None => RetryOutcome::NotFound,
+                Some((state, until)) => {
+                    let state = lossy(state);
+                    match until {
+                        Some(until) if matches!(state.as_str(), "failed" | "dead") => {
+                            RetryOutcome::Leased {
+                                until: parse_timestamp(&until).map_err(|e| {
+                                    Error::decode(id, "claimed_until", format!("{until:?}: {e}"))
+                                })?,
+                            }
+                        }
+                        _ => RetryOutcome::NotRetryable { state },
+                    }
+                }
+            }
+        };
+        tx.commit().await.map_err(Error::repository("retry"))?;
+        Ok(outcome)
+    }
+
+    async fn sweep_unfinishable(on: On<'_, Self>) -> Result<Vec<PoisonRow>> {
+        let rows: Vec<(Vec<u8>, Option<Vec<u8>>)> =
+            sqlx::query_as(statement(&on.sql.sweep_unfinishable))
+                .fetch_all(on.pool)
+                .await
+                .map_err(Error::repository("sweep unfinishable rows"))?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, reason)| PoisonRow {
+                id: lossy(id),
+                reason: reason.map(lossy).unwrap_or_default(),
+            })
+            .collect())
+    }
+}
+
+/// Reads the claimed rows `ids`, whose packed values could not be decoded, column by column.
+/// A row deleted by hand since the claim is simply not there any more.
+async fn read_claimed(on: On<'_, Sqlite>, token: &str, ids: &[String]) -> Result<Vec<SqliteRow>> {
+    sqlx::query(statement(&on.only.read_claimed))
+        .bind(json_array(&ids)?)
+        .bind(token)
+        .fetch_all(on.pool)
+        .await
+        .map_err(Error::repository("claim"))
+}
+
+fn lossy(bytes: Vec<u8>) -> String {
+    String::from_utf8(bytes).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
+}
+
+fn json_array<T: serde::Serialize>(value: &T) -> Result<String> {
+    serde_json::to_string(value).map_err(|source| Error::Serialize {
+        what: "id list",
+        source,
+    })
+}
