@@ -80,8 +80,8 @@ fn v2_is_pinned_and_additive() {
 #[test]
 fn v3_is_pinned() {
     for (dialect, checksum) in [
-        (Dialect::Sqlite, "fnv1a64:400555a35cd3aaa2"),
-        (Dialect::Postgres, "fnv1a64:938b2cdf41071d22"),
+        (Dialect::Sqlite, "fnv1a64:33ea789a4bfc5df9"),
+        (Dialect::Postgres, "fnv1a64:60a1bb47a8cb8d22"),
     ] {
         let all = migrations(dialect, &OutboxTables::default());
         assert_eq!(all.len(), 3);
@@ -97,8 +97,17 @@ fn v3_is_pinned() {
          ('pending', 'claimed', 'dispatched', 'failed', 'dead')) NOT VALID"
     );
     assert_eq!(
-        pg.down,
-        ["ALTER TABLE trellis_outbox DROP CONSTRAINT IF EXISTS trellis_outbox_state_ck"]
+        pg.up[3],
+        "CREATE INDEX IF NOT EXISTS trellis_outbox_claim_idx ON trellis_outbox (created_at, id) \
+         WHERE state IN ('pending', 'failed', 'claimed')"
+    );
+    assert_eq!(
+        pg.up[4],
+        "UPDATE trellis_outbox SET next_attempt_at = '9999-12-31 23:59:59.999+00' WHERE state = 'dead'"
+    );
+    assert_eq!(
+        pg.down.last().map(String::as_str),
+        Some("ALTER TABLE trellis_outbox DROP CONSTRAINT IF EXISTS trellis_outbox_state_ck")
     );
 }
 
@@ -194,8 +203,8 @@ fn script_is_pasteable() {
     ));
     assert_eq!(
         sql.matches(";\n").count(),
-        8,
-        "SQLite: 3 statements in v1 and v2, 2 in v3"
+        11,
+        "SQLite: 3 statements in v1 and v2, 5 in v3"
     );
 }
 

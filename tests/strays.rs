@@ -126,7 +126,8 @@ async fn sqlite_null_ids_and_unknown_states_go_dead_and_are_reported_once() {
                 "dead".into(),
                 Some("unknown state \"frozen\"".into())
             ),
-            (Some("claimed-1".into()), "claimed".into(), None),
+            // Not swept: an upstream claim without an end is due, and adopted by the claim.
+            (Some("claimed-1".into()), "dispatched".into(), None),
             (
                 Some("someday-1".into()),
                 "dead".into(),
@@ -252,7 +253,8 @@ async fn postgres_unknown_states_go_dead_and_are_reported_once() {
     assert_eq!(
         rows,
         [
-            ("claimed-1".into(), "claimed".into(), None),
+            // Not swept: an upstream claim without an end is due, and adopted by the claim.
+            ("claimed-1".into(), "dispatched".into(), None),
             (
                 "frozen-1".into(),
                 "dead".into(),
@@ -295,6 +297,11 @@ async fn postgres_unknown_states_go_dead_and_are_reported_once() {
         .bind("claimed")
         .bind(TS)
         .bind(None::<&str>)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    // (An upstream claim without an end is due now; out of the way of the check below.)
+    sqlx::query("UPDATE trellis_outbox SET state = 'dispatched' WHERE id = 'claimed-2'")
         .execute(&db.pool)
         .await
         .unwrap();

@@ -95,7 +95,9 @@ pub enum Error {
     UnknownKind(String),
 
     /// A wire string is not one of the known outbox message states.
-    #[error("unknown outbox message state {0:?} (expected pending, dispatched, failed or dead)")]
+    #[error(
+        "unknown outbox message state {0:?} (expected pending, claimed, dispatched, failed or dead)"
+    )]
     UnknownState(String),
 
     /// A value could not be serialized to JSON.

@@ -104,6 +104,10 @@ wire_strings! {
 pub enum OutboxMessageState {
     /// Enqueued, not yet attempted.
     Pending,
+    /// Claimed by an upstream Trellis (TypeScript) dispatcher, whose claim lasts until
+    /// `next_attempt_at`; claimable again after that. trellis-outbox's own claims never
+    /// leave a row in this state (they keep `pending`/`failed` and hold a lease).
+    Claimed,
     /// Delivered (terminal).
     Dispatched,
     /// The last attempt failed; due again at `next_attempt_at`.
@@ -115,8 +119,9 @@ pub enum OutboxMessageState {
 
 wire_strings! {
     OutboxMessageState, unknown: Error::UnknownState,
-    /// The wire string: `pending`, `dispatched`, `failed` or `dead`.
+    /// The wire string: `pending`, `claimed`, `dispatched`, `failed` or `dead`.
     Pending => "pending",
+    Claimed => "claimed",
     Dispatched => "dispatched",
     Failed => "failed",
     Dead => "dead",
@@ -435,6 +440,7 @@ mod tests {
         }
         for state in [
             OutboxMessageState::Pending,
+            OutboxMessageState::Claimed,
             OutboxMessageState::Dispatched,
             OutboxMessageState::Failed,
             OutboxMessageState::Dead,
@@ -442,8 +448,8 @@ mod tests {
             assert_eq!(state.as_str().parse::<OutboxMessageState>().unwrap(), state);
         }
         assert!(matches!(
-            "claimed".parse::<OutboxMessageState>(),
-            Err(Error::UnknownState(s)) if s == "claimed"
+            "frozen".parse::<OutboxMessageState>(),
+            Err(Error::UnknownState(s)) if s == "frozen"
         ));
         assert!(matches!(
             "Event.Publish".parse::<OutboxRecordKind>(),

@@ -11,6 +11,10 @@ use sqlx::AssertSqlSafe;
 use crate::tables::{Dialect, OutboxTables};
 
 /// The outbox columns in storage order (spec §B.2).
+/// The states a claim takes rows from: ours (`pending`, `failed`) and upstream Trellis'
+/// `claimed`, whose claim ends at `next_attempt_at`.
+pub(crate) const OPEN_STATES: &str = "'pending', 'failed', 'claimed'";
+
 pub(crate) const COLUMNS: &str = "id, kind, name, subject, payload, headers, state, attempts, created_at, updated_at, next_attempt_at, last_error, outcome";
 
 /// The SQL trellis-outbox sends for one dialect and table set.
@@ -183,5 +187,16 @@ impl Ddl {
         format!(
             "CREATE INDEX IF NOT EXISTS {o}_claim_idx ON {o} (created_at, id) WHERE state IN ('pending', 'failed')"
         )
+    }
+
+    /// Version 3's claim index: also upstream Trellis' `claimed` rows, which become
+    /// claimable when their claim (`next_attempt_at`) ends.
+    pub(crate) fn claim_index_v3(o: &str) -> [String; 2] {
+        [
+            format!("DROP INDEX IF EXISTS {o}_claim_idx"),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {o}_claim_idx ON {o} (created_at, id) WHERE state IN ({OPEN_STATES})"
+            ),
+        ]
     }
 }

@@ -52,9 +52,11 @@ fn v2(tables: &OutboxTables) -> Ddl {
 }
 
 /// Version 3: a `CHECK` constraint on `state`, added `NOT VALID` so existing rows are not
-/// checked (the dispatcher moves them to `dead` when it starts).
+/// checked (the dispatcher moves them to `dead` when it starts); upstream Trellis' `claimed`
+/// rows in the claim index; dead rows never due.
 fn v3(tables: &OutboxTables) -> Ddl {
     let o = tables.outbox();
+    let claim_index = Ddl::claim_index_v3(o);
     Ddl {
         up: vec![
             // Dropped first so that the script can be run again.
@@ -62,9 +64,19 @@ fn v3(tables: &OutboxTables) -> Ddl {
             format!(
                 "ALTER TABLE {o} ADD CONSTRAINT {o}_state_ck CHECK (state IN ({KNOWN_STATES})) NOT VALID"
             ),
+            claim_index[0].clone(),
+            claim_index[1].clone(),
+            // Dead rows are never due, for an upstream dispatcher too (it claims every row
+            // not dispatched once `next_attempt_at` has passed).
+            format!(
+                "UPDATE {o} SET next_attempt_at = '9999-12-31 23:59:59.999+00' WHERE state = 'dead'"
+            ),
         ],
-        down: vec![format!(
-            "ALTER TABLE {o} DROP CONSTRAINT IF EXISTS {o}_state_ck"
-        )],
+        down: vec![
+            format!("UPDATE {o} SET next_attempt_at = NULL WHERE state = 'dead'"),
+            format!("DROP INDEX IF EXISTS {o}_claim_idx"),
+            Ddl::claim_index(o),
+            format!("ALTER TABLE {o} DROP CONSTRAINT IF EXISTS {o}_state_ck"),
+        ],
     }
 }

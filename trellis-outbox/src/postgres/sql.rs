@@ -2,6 +2,11 @@
 //! `schema.rs`), built once per table set from validated identifiers.
 
 use crate::dispatch::KNOWN_STATES;
+use crate::sql::OPEN_STATES;
+
+/// The `next_attempt_at` of a `dead` row: far enough that an upstream Trellis dispatcher,
+/// which claims every undispatched row once it is due, never takes it.
+const NEVER: &str = "'9999-12-31 23:59:59.999+00'";
 use crate::sql::{COLUMNS, SqlStatements, notify_channel};
 use crate::tables::{Dialect, OutboxTables};
 
@@ -48,7 +53,7 @@ pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
         .into(),
         mark_dead: format!(
             "UPDATE {o} SET state = 'dead', attempts = attempts + $3, updated_at = now(), \
-             next_attempt_at = NULL, last_error = $4, claimed_until = NULL, claim_token = NULL \
+             next_attempt_at = {NEVER}, last_error = $4, claimed_until = NULL, claim_token = NULL \
              WHERE id = $1 AND claim_token = $2"
         )
         .into(),
@@ -58,7 +63,8 @@ pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
             "UPDATE {o} AS o SET \
              state = CASE WHEN f.delay IS NULL THEN 'dead' ELSE 'failed' END, \
              attempts = LEAST(o.attempts::int8 + f.add, 2147483647)::int4, updated_at = now(), \
-             next_attempt_at = now() + make_interval(secs => f.delay), last_error = f.error, \
+             next_attempt_at = COALESCE(now() + make_interval(secs => f.delay), {NEVER}), \
+             last_error = f.error, \
              claimed_until = NULL, claim_token = NULL \
              FROM UNNEST($1::text[], $2::text[], $3::float8[], $4::int4[]) AS f(id, error, delay, add) \
              WHERE o.id = f.id AND o.claim_token = $5 \
@@ -66,12 +72,13 @@ pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
         )
         .into(),
         extend_lease: format!(
-            "UPDATE {o} SET claimed_until = now() + make_interval(secs => $3) \
+            "UPDATE {o} SET claimed_until = now() + make_interval(secs => $3), \
+             next_attempt_at = now() + make_interval(secs => $3) \
              WHERE id = ANY($1) AND claim_token = $2"
         )
         .into(),
         release: format!(
-            "UPDATE {o} SET claimed_until = NULL, claim_token = NULL \
+            "UPDATE {o} SET claimed_until = NULL, claim_token = NULL, next_attempt_at = NULL \
              WHERE id = ANY($1) AND claim_token = $2"
         )
         .into(),
@@ -93,7 +100,7 @@ pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
         // Rows no claim can finish: unknown states, and open rows never due or never
         // claimable again.
         sweep_unfinishable: format!(
-            "UPDATE {o} SET state = 'dead', updated_at = now(), next_attempt_at = NULL, \
+            "UPDATE {o} SET state = 'dead', updated_at = now(), next_attempt_at = {NEVER}, \
              claimed_until = NULL, claim_token = NULL, \
              last_error = CASE WHEN state IS NULL THEN 'state is NULL' \
              WHEN state NOT IN ({KNOWN_STATES}) THEN 'unknown state ' || to_json(left(state, 100))::text \
@@ -111,7 +118,7 @@ pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
             "SELECT CASE WHEN at IS NOT NULL THEN EXTRACT(EPOCH FROM \
              (LEAST(GREATEST(at, now()), now() + interval '100 years') - now()))::float8 END \
              FROM (SELECT min(GREATEST(COALESCE(next_attempt_at, now()), COALESCE(claimed_until, now()))) AS at \
-             FROM {o} WHERE state IN ('pending', 'failed')) AS due"
+             FROM {o} WHERE state IN ({OPEN_STATES})) AS due"
         )
         .into(),
     }
@@ -138,9 +145,11 @@ impl PgOnly {
         let o = tables.outbox();
         Self {
             claim: format!(
-                "UPDATE {o} SET claimed_until = now() + make_interval(secs => $2), claim_token = $3 \
+                "UPDATE {o} SET claimed_until = now() + make_interval(secs => $2), claim_token = $3, \
+                 next_attempt_at = now() + make_interval(secs => $2), \
+                 state = CASE WHEN state = 'claimed' THEN 'pending' ELSE state END \
                  WHERE id = ANY(ARRAY(SELECT id FROM {o} \
-                 WHERE state IN ('pending', 'failed') \
+                 WHERE state IN ({OPEN_STATES}) \
                  AND (next_attempt_at IS NULL OR next_attempt_at <= COALESCE($4, now())) \
                  AND (claimed_until IS NULL OR claimed_until <= now()) \
                  ORDER BY created_at, id LIMIT $1 FOR UPDATE SKIP LOCKED)) \

@@ -39,6 +39,7 @@ fn v2(tables: &OutboxTables) -> Ddl {
 /// may still be moved to `dead` (or given an id).
 fn v3(tables: &OutboxTables) -> Ddl {
     let o = tables.outbox();
+    let claim_index = Ddl::claim_index_v3(o);
     let state_message =
         format!("{o}.state must be one of pending, claimed, dispatched, failed, dead");
     Ddl {
@@ -57,8 +58,18 @@ fn v3(tables: &OutboxTables) -> Ddl {
                  WHERE NEW.id IS NULL AND (OLD.id IS NOT NULL OR NEW.state IS NOT 'dead'); \
                  SELECT RAISE(ABORT, '{state_message}'); END"
             ),
+            claim_index[0].clone(),
+            claim_index[1].clone(),
+            // Dead rows are never due, for an upstream dispatcher too (it claims every row
+            // not dispatched once `next_attempt_at` has passed).
+            format!(
+                "UPDATE {o} SET next_attempt_at = '9999-12-31T23:59:59.999Z' WHERE state = 'dead'"
+            ),
         ],
         down: vec![
+            format!("UPDATE {o} SET next_attempt_at = NULL WHERE state = 'dead'"),
+            format!("DROP INDEX IF EXISTS {o}_claim_idx"),
+            Ddl::claim_index(o),
             format!("DROP TRIGGER IF EXISTS {o}_update_ck"),
             format!("DROP TRIGGER IF EXISTS {o}_insert_ck"),
         ],

@@ -5,11 +5,16 @@
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::dispatch::KNOWN_STATES;
+use crate::sql::OPEN_STATES;
 use crate::sql::{COLUMNS, SqlStatements, notify_channel};
 use crate::tables::{Dialect, OutboxTables};
 
 /// SQLite's current time in the stored format, `YYYY-MM-DDTHH:MM:SS.SSSZ`.
 const NOW: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')";
+
+/// The `next_attempt_at` of a `dead` row: far enough that an upstream Trellis dispatcher,
+/// which claims every undispatched row once it is due, never takes it.
+const NEVER: &str = "'9999-12-31T23:59:59.999Z'";
 
 /// The statements both dialects send, in SQLite's words.
 pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
@@ -53,7 +58,7 @@ pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
         .into(),
         mark_dead: format!(
             "UPDATE {o} SET state = 'dead', attempts = attempts + ?3, updated_at = {NOW}, \
-             next_attempt_at = NULL, last_error = ?4, claimed_until = NULL, claim_token = NULL \
+             next_attempt_at = {NEVER}, last_error = ?4, claimed_until = NULL, claim_token = NULL \
              WHERE id = ?1 AND claim_token = ?2"
         )
         .into(),
@@ -63,7 +68,7 @@ pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
             "UPDATE {o} SET \
              state = CASE WHEN f.value ->> '$[2]' IS NULL THEN 'dead' ELSE 'failed' END, \
              attempts = attempts + (f.value ->> '$[3]'), updated_at = {NOW}, \
-             next_attempt_at = CASE WHEN f.value ->> '$[2]' IS NULL THEN NULL \
+             next_attempt_at = CASE WHEN f.value ->> '$[2]' IS NULL THEN {NEVER} \
                ELSE strftime('%Y-%m-%dT%H:%M:%fZ', 'now', f.value ->> '$[2]') END, \
              last_error = f.value ->> '$[1]', claimed_until = NULL, claim_token = NULL \
              FROM json_each(?1) AS f \
@@ -73,12 +78,13 @@ pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
         .into(),
         // ?1 JSON array of ids, ?2 token, ?3 lease modifier.
         extend_lease: format!(
-            "UPDATE {o} SET claimed_until = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?3) \
+            "UPDATE {o} SET claimed_until = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?3), \
+             next_attempt_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?3) \
              WHERE claim_token = ?2 AND id IN (SELECT value FROM json_each(?1))"
         )
         .into(),
         release: format!(
-            "UPDATE {o} SET claimed_until = NULL, claim_token = NULL \
+            "UPDATE {o} SET claimed_until = NULL, claim_token = NULL, next_attempt_at = NULL \
              WHERE claim_token = ?2 AND id IN (SELECT value FROM json_each(?1))"
         )
         .into(),
@@ -97,7 +103,7 @@ pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
         // retry or lease time is not a time (never due). Text comes back as bytes: a
         // stored value need not be UTF-8.
         sweep_unfinishable: format!(
-            "UPDATE {o} SET state = 'dead', updated_at = {NOW}, next_attempt_at = NULL, \
+            "UPDATE {o} SET state = 'dead', updated_at = {NOW}, next_attempt_at = {NEVER}, \
              claimed_until = NULL, claim_token = NULL, last_error = CASE \
              WHEN typeof(state) <> 'text' THEN 'state is ' || typeof(state) || ', not text' \
              WHEN state NOT IN ({KNOWN_STATES}) THEN 'unknown state ' || json_quote(substr(state, 1, 100)) \
@@ -117,7 +123,7 @@ pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
         next_due_in: format!(
             "SELECT (julianday(min(max(COALESCE(next_attempt_at, {NOW}), COALESCE(claimed_until, {NOW})))) \
              - julianday({NOW})) * 86400.0 \
-             FROM {o} WHERE state IN ('pending', 'failed')"
+             FROM {o} WHERE state IN ({OPEN_STATES})"
         )
         .into(),
     }
@@ -146,9 +152,11 @@ impl SqliteOnly {
             // in order.
             claim: ClaimSql {
                 head: format!(
-                    "UPDATE {o} SET claimed_until = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?1), claim_token = ?2 \
+                    "UPDATE {o} SET claimed_until = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?1), claim_token = ?2, \
+                     next_attempt_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?1), \
+                     state = CASE WHEN state = 'claimed' THEN 'pending' ELSE state END \
                      WHERE id IN (SELECT id FROM {o} INDEXED BY {o}_claim_idx \
-                     WHERE state IN ('pending', 'failed') \
+                     WHERE state IN ({OPEN_STATES}) \
                      AND (next_attempt_at IS NULL OR next_attempt_at <= COALESCE(?3, {NOW})) \
                      AND (claimed_until IS NULL OR claimed_until <= {NOW}) \
                      ORDER BY created_at, id LIMIT "
