@@ -428,3 +428,91 @@ async fn sqlite_adopts_a_table_created_by_trellis_ts() {
         .unwrap();
     assert_eq!(rows, 1);
 }
+
+/// Trellis 0.10's tables (column `event`, no `kind`, no `outcome`, no migration record), as
+/// 0.10 created them, with one 0.10 row.
+const LEGACY_0_10: [(&str, &str); 2] = [
+    (
+        "CREATE TABLE IF NOT EXISTS trellis_outbox (id TEXT PRIMARY KEY, event TEXT NOT NULL, subject TEXT NOT NULL, payload TEXT NOT NULL, headers TEXT NOT NULL, state TEXT NOT NULL, attempts INTEGER NOT NULL, created_at TEXT NOT NULL, updated_at TEXT NOT NULL, next_attempt_at TEXT, last_error TEXT)",
+        "INSERT INTO trellis_outbox VALUES ('legacy-1', 'Document.Processed', 'events.v1.Integration.Outbox.Document.Processed.legacy', '{\"documentId\":\"legacy-doc\"}', '{}', 'pending', 0, '2026-01-01T00:00:00.000Z', '2026-01-01T00:00:00.000Z', NULL, NULL)",
+    ),
+    (
+        "CREATE TABLE IF NOT EXISTS trellis_outbox (id text PRIMARY KEY, event text NOT NULL, subject text NOT NULL, payload text NOT NULL, headers jsonb NOT NULL, state text NOT NULL, attempts integer NOT NULL, created_at timestamptz NOT NULL, updated_at timestamptz NOT NULL, next_attempt_at timestamptz, last_error text)",
+        "INSERT INTO trellis_outbox VALUES ('legacy-1', 'Document.Processed', 'events.v1.Integration.Outbox.Document.Processed.legacy', '{\"documentId\":\"legacy-doc\"}', '{}', 'pending', 0, '2026-01-01T00:00:00.000Z', '2026-01-01T00:00:00.000Z', NULL, NULL)",
+    ),
+];
+
+/// A 0.10 table is upgraded in place at `migrate` (never recorded as version 1 with inserts
+/// failing later): its rows keep their data, become events named by their old `event`, and
+/// are dispatched; new records enqueue.
+async fn legacy_0_10_table_is_upgraded<DB, R>(pool: &sqlx::Pool<DB>, legacy: (&str, &str), repo: R)
+where
+    DB: trellis_outbox::OutboxDatabase,
+    R: trellis_outbox::OutboxRepository,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    for statement in [legacy.0, legacy.1] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(statement.to_owned()))
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+    let report = migrate(pool).await.unwrap();
+    assert!(report.upgraded_from_0_10);
+    assert_eq!(report.applied.len(), 3);
+    let again = migrate(pool).await.unwrap();
+    assert!(!again.upgraded_from_0_10 && again.applied.is_empty());
+
+    let mut tx = pool.begin().await.unwrap();
+    trellis_outbox::OutboxTransactionExt::enqueue(
+        &mut tx,
+        &trellis_outbox::PreparedOutboxRecord::event("A.B", "events.v1.A.B", &1).unwrap(),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let publisher = trellis_outbox_tests::publisher::RecordingPublisher::new();
+    let report = trellis_outbox::dispatch_outbox(&repo, &publisher, Default::default())
+        .await
+        .unwrap();
+    assert_eq!(report.dispatched, 2);
+    let legacy_attempt = publisher
+        .attempts()
+        .into_iter()
+        .find(|a| a.id == "legacy-1")
+        .expect("the 0.10 row was not published");
+    assert_eq!(legacy_attempt.attempts, 0);
+}
+
+#[tokio::test]
+async fn sqlite_legacy_0_10_table_is_upgraded() {
+    let db = TestSqlite::new().await;
+    let repo = trellis_outbox::SqliteOutboxRepository::new(db.pool.clone());
+    legacy_0_10_table_is_upgraded(&db.pool, LEGACY_0_10[0], repo).await;
+    let (name, kind): (String, String) =
+        sqlx::query_as("SELECT name, kind FROM trellis_outbox WHERE id = 'legacy-1'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (name.as_str(), kind.as_str()),
+        ("Document.Processed", "event.publish")
+    );
+}
+
+#[tokio::test]
+async fn postgres_legacy_0_10_table_is_upgraded() {
+    let db = TestPg::new().await;
+    let repo = trellis_outbox::PgOutboxRepository::new(db.pool.clone());
+    legacy_0_10_table_is_upgraded(&db.pool, LEGACY_0_10[1], repo).await;
+    let (name, kind): (String, String) =
+        sqlx::query_as("SELECT name, kind FROM trellis_outbox WHERE id = 'legacy-1'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (name.as_str(), kind.as_str()),
+        ("Document.Processed", "event.publish")
+    );
+    db.close().await;
+}

@@ -116,6 +116,13 @@ pub(crate) mod sealed {
             tx: &'a mut Transaction<'static, Self>,
             statement: &'a str,
         ) -> Boxed<'a, sqlx::Result<()>>;
+
+        /// The single text column of every row `sql` returns for `outbox`.
+        fn fetch_names<'a>(
+            tx: &'a mut Transaction<'static, Self>,
+            sql: &'static str,
+            outbox: &'a str,
+        ) -> Boxed<'a, sqlx::Result<Vec<String>>>;
     }
 
     impl<DB> Queries for DB
@@ -127,6 +134,7 @@ pub(crate) mod sealed {
         for<'q> i32: Encode<'q, DB> + Type<DB>,
         for<'r> Option<f64>: Decode<'r, DB> + Type<DB>,
         for<'r> (i64, String, String): sqlx::FromRow<'r, DB::Row>,
+        for<'r> String: Decode<'r, DB> + Type<DB>,
         usize: sqlx::ColumnIndex<DB::Row>,
         DB::QueryResult: RowsAffected,
     {
@@ -234,6 +242,19 @@ pub(crate) mod sealed {
                 Ok(())
             })
         }
+
+        fn fetch_names<'a>(
+            tx: &'a mut Transaction<'static, Self>,
+            sql: &'static str,
+            outbox: &'a str,
+        ) -> Boxed<'a, sqlx::Result<Vec<String>>> {
+            Box::pin(async move {
+                sqlx::query_scalar(sql)
+                    .bind(outbox)
+                    .fetch_all(&mut **tx)
+                    .await
+            })
+        }
     }
 
     /// What a repository hook runs on: the pool and the statements.
@@ -315,6 +336,12 @@ pub(crate) mod sealed {
         const BOOKKEEPING: &'static str;
         /// `(version, id, checksum)` of the migrations recorded for an outbox table.
         const RECORDED: &'static str;
+        /// The column names of an outbox table (none if it does not exist).
+        const COLUMNS: &'static str;
+
+        /// Upgrades a Trellis 0.10 outbox table (column `event`, no `kind`, no `outcome`)
+        /// in place to version 1's columns, as upstream 0.11.0-rc.3 did.
+        fn upgrade_0_10(tables: &OutboxTables) -> Vec<String>;
 
         /// Begins the migration transaction, serialised against concurrent migrators.
         fn begin_migration(

@@ -184,6 +184,10 @@ pub struct MigrationReport {
     pub applied: Vec<String>,
     /// Ids of the migrations that were already applied (checksums verified).
     pub already_applied: Vec<String>,
+    /// Whether a Trellis 0.10 outbox table (column `event`, no `kind`/`outcome`) was found
+    /// and upgraded in place before version 1 was recorded: `event` renamed to `name`,
+    /// `kind` added (`event.publish` for every existing row) and `outcome` added.
+    pub upgraded_from_0_10: bool,
 }
 
 /// Applies pending migrations to the default tables. See [`migrate_with`].
@@ -229,6 +233,23 @@ pub async fn migrate_with<DB: OutboxDatabase>(
         .await
         .map_err(migrate_error("read applied migrations"))?;
     let mut report = MigrationReport::default();
+    if !recorded.iter().any(|(version, ..)| *version == 1) {
+        let columns = DB::fetch_names(&mut tx, DB::COLUMNS, tables.outbox())
+            .await
+            .map_err(migrate_error("read the outbox table's columns"))?;
+        if columns.iter().any(|c| c == "event") && !columns.iter().any(|c| c == "name") {
+            for statement in DB::upgrade_0_10(tables) {
+                DB::run_ddl(&mut tx, &statement)
+                    .await
+                    .map_err(migrate_error("upgrade the Trellis 0.10 outbox table"))?;
+            }
+            tracing::info!(
+                table = tables.outbox(),
+                "upgraded a Trellis 0.10 outbox table in place (event -> name, kind, outcome)"
+            );
+            report.upgraded_from_0_10 = true;
+        }
+    }
     for m in plan(migrations(DB::DIALECT, tables), recorded, &mut report)? {
         for statement in &m.up {
             DB::run_ddl(&mut tx, statement)

@@ -189,6 +189,20 @@ impl Ddl {
         )
     }
 
+    /// Trellis 0.10's outbox table (column `event` instead of `name`, no `kind`, no
+    /// `outcome`) brought to version 1's columns in place, as upstream 0.11.0-rc.3 did: 0.10
+    /// rows were all events.
+    pub(crate) fn upgrade_0_10(o: &str, types: &ColumnTypes) -> Vec<String> {
+        vec![
+            format!("ALTER TABLE {o} RENAME COLUMN event TO name"),
+            format!(
+                "ALTER TABLE {o} ADD COLUMN kind {} NOT NULL DEFAULT 'event.publish'",
+                types.text
+            ),
+            format!("ALTER TABLE {o} ADD COLUMN outcome {}", types.json),
+        ]
+    }
+
     /// Version 3's claim index: also upstream Trellis' `claimed` rows, which become
     /// claimable when their claim (`next_attempt_at`) ends.
     pub(crate) fn claim_index_v3(o: &str) -> [String; 2] {

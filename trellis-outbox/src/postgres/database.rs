@@ -121,6 +121,12 @@ impl MigrationBackend for Postgres {
     const BOOKKEEPING: &'static str = "CREATE TABLE IF NOT EXISTS trellis_outbox_migrations (outbox_table text NOT NULL, version integer NOT NULL, id text NOT NULL, checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (outbox_table, version))";
     const RECORDED: &'static str =
         "SELECT version::int8, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = $1";
+    const COLUMNS: &'static str = "SELECT column_name::text FROM information_schema.columns \
+         WHERE table_schema = current_schema() AND table_name = $1";
+
+    fn upgrade_0_10(tables: &crate::tables::OutboxTables) -> Vec<String> {
+        super::schema::upgrade_0_10(tables)
+    }
 
     async fn begin_migration(pool: &PgPool) -> sqlx::Result<Transaction<'static, Postgres>> {
         let mut tx = pool.begin().await?;

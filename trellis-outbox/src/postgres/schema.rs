@@ -12,6 +12,11 @@ const TYPES: ColumnTypes = ColumnTypes {
     time: "timestamptz",
 };
 
+/// Upgrades a Trellis 0.10 outbox table to version 1's columns.
+pub(crate) fn upgrade_0_10(tables: &OutboxTables) -> Vec<String> {
+    Ddl::upgrade_0_10(tables.outbox(), &TYPES)
+}
+
 /// The DDL of each version, oldest first.
 pub(crate) fn versions(tables: &OutboxTables) -> Vec<Ddl> {
     vec![Ddl::v1(tables, &TYPES), v2(tables), v3(tables)]

@@ -118,6 +118,11 @@ impl MigrationBackend for Sqlite {
     const BOOKKEEPING: &'static str = "CREATE TABLE IF NOT EXISTS trellis_outbox_migrations (outbox_table TEXT NOT NULL, version INTEGER NOT NULL, id TEXT NOT NULL, checksum TEXT NOT NULL, applied_at TEXT NOT NULL, PRIMARY KEY (outbox_table, version))";
     const RECORDED: &'static str =
         "SELECT version, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = ?";
+    const COLUMNS: &'static str = "SELECT name FROM pragma_table_info(?)";
+
+    fn upgrade_0_10(tables: &crate::tables::OutboxTables) -> Vec<String> {
+        super::schema::upgrade_0_10(tables)
+    }
 
     async fn begin_migration(pool: &SqlitePool) -> sqlx::Result<Transaction<'static, Sqlite>> {
         // BEGIN IMMEDIATE takes the write lock up front, serialising concurrent callers.
