@@ -1,5 +1,5 @@
 //! The driver interface: what each database module (`postgres/`, `sqlite/`) implements, and
-//! all that the front ends (`outbox.rs`, `migrate.rs`, `repository.rs`) know of a database.
+//! all that the front ends (`outbox.rs`, `migrate.rs`, `sql_repository.rs`) know of a database.
 //!
 //! As in sqlx, one module per driver sits behind shared traits: the front ends are generic over
 //! [`OutboxDatabase`] and never name a driver; the drivers never call a front end. Each trait
