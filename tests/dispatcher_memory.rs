@@ -147,24 +147,12 @@ impl OutboxRepository for Probe {
         self.inner.mark_dispatched(claim, rows).await
     }
 
-    async fn mark_failed(
+    async fn mark_failures(
         &self,
         claim: &Claim,
-        id: &str,
-        error: &str,
-        retry_after: Duration,
-    ) -> trellis_outbox::Result<bool> {
-        self.inner.mark_failed(claim, id, error, retry_after).await
-    }
-
-    async fn mark_dead(
-        &self,
-        claim: &Claim,
-        id: &str,
-        reason: &str,
-        count_attempt: bool,
-    ) -> trellis_outbox::Result<bool> {
-        self.inner.mark_dead(claim, id, reason, count_attempt).await
+        failures: &[trellis_outbox::Failure],
+    ) -> trellis_outbox::Result<Vec<String>> {
+        self.inner.mark_failures(claim, failures).await
     }
 
     async fn release(&self, claim: &Claim, ids: &[&str]) -> trellis_outbox::Result<u64> {

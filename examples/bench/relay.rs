@@ -952,24 +952,12 @@ impl<R: OutboxRepository> OutboxRepository for Timed<R> {
         n
     }
 
-    fn mark_failed(
+    fn mark_failures(
         &self,
         claim: &Claim,
-        id: &str,
-        error: &str,
-        retry_after: Duration,
-    ) -> impl Future<Output = trellis_outbox::Result<bool>> + Send {
-        self.inner.mark_failed(claim, id, error, retry_after)
-    }
-
-    fn mark_dead(
-        &self,
-        claim: &Claim,
-        id: &str,
-        reason: &str,
-        count_attempt: bool,
-    ) -> impl Future<Output = trellis_outbox::Result<bool>> + Send {
-        self.inner.mark_dead(claim, id, reason, count_attempt)
+        failures: &[trellis_outbox::Failure],
+    ) -> impl Future<Output = trellis_outbox::Result<Vec<String>>> + Send {
+        self.inner.mark_failures(claim, failures)
     }
 
     fn release(

@@ -47,27 +47,6 @@ pub(crate) mod sealed {
     /// driver traits, so that generic code over [`OutboxDatabase`](super::OutboxDatabase)
     /// may call it without naming sqlx's bounds.
     pub trait Queries: Database {
-        /// Runs `sql` binding `id`, `token`, `value` and `text` (a fenced mark of one row)
-        /// and returns how many rows it changed.
-        fn mark_row<'a, V>(
-            pool: &'a Pool<Self>,
-            sql: &'a Arc<str>,
-            row: (&'a str, &'a str),
-            value: V,
-            text: &'a str,
-        ) -> Boxed<'a, sqlx::Result<u64>>
-        where
-            V: for<'q> Encode<'q, Self> + Type<Self> + Send + 'a;
-
-        /// [`mark_row`](Self::mark_row) with an integer value.
-        fn mark_row_int<'a>(
-            pool: &'a Pool<Self>,
-            sql: &'a Arc<str>,
-            row: (&'a str, &'a str),
-            value: i32,
-            text: &'a str,
-        ) -> Boxed<'a, sqlx::Result<u64>>;
-
         /// Runs `sql` binding `ids`, `token` and then `value` if any (a fenced update of
         /// rows) and returns how many rows it changed.
         fn mark_rows<'a, I, V>(
@@ -138,36 +117,6 @@ pub(crate) mod sealed {
         usize: sqlx::ColumnIndex<DB::Row>,
         DB::QueryResult: RowsAffected,
     {
-        fn mark_row<'a, V>(
-            pool: &'a Pool<Self>,
-            sql: &'a Arc<str>,
-            (id, token): (&'a str, &'a str),
-            value: V,
-            text: &'a str,
-        ) -> Boxed<'a, sqlx::Result<u64>>
-        where
-            V: for<'q> Encode<'q, Self> + Type<Self> + Send + 'a,
-        {
-            Box::pin(async move {
-                let query = sqlx::query(statement(sql))
-                    .bind(id)
-                    .bind(token)
-                    .bind(value)
-                    .bind(text);
-                Ok(query.execute(pool).await?.rows_affected())
-            })
-        }
-
-        fn mark_row_int<'a>(
-            pool: &'a Pool<Self>,
-            sql: &'a Arc<str>,
-            row: (&'a str, &'a str),
-            value: i32,
-            text: &'a str,
-        ) -> Boxed<'a, sqlx::Result<u64>> {
-            Self::mark_row(pool, sql, row, value, text)
-        }
-
         fn mark_rows<'a, I, V>(
             pool: &'a Pool<Self>,
             sql: &'a Arc<str>,

@@ -55,10 +55,6 @@ pub struct SqlStatements {
     /// `mark_dispatched` storing an outcome per row (events have none: the plain form saves
     /// the per-row lookup).
     pub(crate) mark_dispatched_with_outcomes: Arc<str>,
-    /// One row: id, token, retry delay, error.
-    pub(crate) mark_failed: Arc<str>,
-    /// One row: id, token, attempts to add (0 or 1), reason.
-    pub(crate) mark_dead: Arc<str>,
     /// Many rows, each `failed` or `dead`; returns the ids marked.
     pub(crate) mark_failures: Arc<str>,
     /// Ids, token, lease.

@@ -110,30 +110,6 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
         DB::mark_dispatched(self.on(), &claim.token, rows).await
     }
 
-    async fn mark_failed(
-        &self,
-        claim: &Claim,
-        id: &str,
-        error: &str,
-        retry_after: Duration,
-    ) -> Result<bool> {
-        let (row, delay) = ((id, claim.token.as_str()), DB::interval(retry_after));
-        let changed = DB::mark_row(&self.pool, &self.sql.mark_failed, row, delay, error).await;
-        marked_one(changed, "mark failed")
-    }
-
-    async fn mark_dead(
-        &self,
-        claim: &Claim,
-        id: &str,
-        reason: &str,
-        count_attempt: bool,
-    ) -> Result<bool> {
-        let (row, add) = ((id, claim.token.as_str()), i32::from(count_attempt));
-        let changed = DB::mark_row_int(&self.pool, &self.sql.mark_dead, row, add, reason).await;
-        marked_one(changed, "mark dead")
-    }
-
     async fn mark_failures(&self, claim: &Claim, failures: &[Failure]) -> Result<Vec<String>> {
         if failures.is_empty() {
             return Ok(Vec::new());
@@ -199,11 +175,4 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
             .await
             .map_err(Error::repository(operation))
     }
-}
-
-/// Whether a mark of one row changed it (`false`: the claim lost its lease).
-fn marked_one(changed: sqlx::Result<u64>, operation: &'static str) -> Result<bool> {
-    changed
-        .map(|rows| rows == 1)
-        .map_err(Error::repository(operation))
 }

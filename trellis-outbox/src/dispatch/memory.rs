@@ -323,26 +323,6 @@ impl OutboxRepository for MemoryOutboxRepository {
         )
     }
 
-    async fn mark_failed(
-        &self,
-        claim: &Claim,
-        id: &str,
-        error: &str,
-        retry_after: Duration,
-    ) -> Result<bool> {
-        Ok(self.mark_failure(claim, &Failure::retry(id, error, retry_after)))
-    }
-
-    async fn mark_dead(
-        &self,
-        claim: &Claim,
-        id: &str,
-        reason: &str,
-        count_attempt: bool,
-    ) -> Result<bool> {
-        Ok(self.mark_failure(claim, &Failure::dead(id, reason, count_attempt)))
-    }
-
     async fn mark_failures(&self, claim: &Claim, failures: &[Failure]) -> Result<Vec<String>> {
         Ok(failures
             .iter()

@@ -288,62 +288,48 @@ pub trait OutboxRepository: Send + Sync + 'static {
         rows: &[Dispatched],
     ) -> impl Future<Output = Result<u64>> + Send;
 
-    /// Marks one row of `claim` failed: `attempts + 1`, `last_error = error`, due again
-    /// `retry_after` from now (repository clock), lease released. Returns `false` if the
-    /// lease was lost (nothing changed).
+    /// Releases the lease on rows of `claim` that were not attempted (on shutdown), making
+    /// them claimable at once. Returns how many were released.
+    fn release(&self, claim: &Claim, ids: &[&str]) -> impl Future<Output = Result<u64>> + Send;
+
+    /// Marks several failed rows of `claim` at once (each `failed` or `dead` as its
+    /// [`FailureOutcome`] says: `failed` adds one to `attempts`, stores the error and makes
+    /// the row due again after the delay on the repository's clock; `dead` stores the reason
+    /// and adds one to `attempts` when the failure counts as an attempt) and returns the ids
+    /// that were still held by the claim and so were marked; rows whose lease was lost are
+    /// left alone. The SQL repositories mark the whole list in one statement.
+    fn mark_failures(
+        &self,
+        claim: &Claim,
+        failures: &[Failure],
+    ) -> impl Future<Output = Result<Vec<String>>> + Send;
+
+    /// Marks one row of `claim` failed, due again `retry_after` from now: a
+    /// [`mark_failures`](Self::mark_failures) of one [`Failure::retry`]. Returns `false` if
+    /// the lease was lost (nothing changed).
     fn mark_failed(
         &self,
         claim: &Claim,
         id: &str,
         error: &str,
         retry_after: Duration,
-    ) -> impl Future<Output = Result<bool>> + Send;
+    ) -> impl Future<Output = Result<bool>> + Send {
+        let failure = Failure::retry(id, error, retry_after);
+        async move { Ok(!self.mark_failures(claim, &[failure]).await?.is_empty()) }
+    }
 
-    /// Moves one row of `claim` to `dead` with `reason`; `count_attempt` adds one to
-    /// `attempts` (when the row was tried and failed, not when it could not be decoded).
-    /// Returns `false` if the lease was lost.
+    /// Moves one row of `claim` to `dead` with `reason`: a
+    /// [`mark_failures`](Self::mark_failures) of one [`Failure::dead`]. Returns `false` if the
+    /// lease was lost.
     fn mark_dead(
         &self,
         claim: &Claim,
         id: &str,
         reason: &str,
         count_attempt: bool,
-    ) -> impl Future<Output = Result<bool>> + Send;
-
-    /// Releases the lease on rows of `claim` that were not attempted (on shutdown), making
-    /// them claimable at once. Returns how many were released.
-    fn release(&self, claim: &Claim, ids: &[&str]) -> impl Future<Output = Result<u64>> + Send;
-
-    /// Marks several failed rows of `claim` at once (each `failed` or `dead` as its
-    /// [`FailureOutcome`] says) and returns the ids that were still held by the claim and so
-    /// were marked; rows whose lease was lost are left alone.
-    ///
-    /// The default calls [`mark_failed`](Self::mark_failed) and [`mark_dead`](Self::mark_dead)
-    /// row by row; the SQL repositories mark the whole list in one statement.
-    fn mark_failures(
-        &self,
-        claim: &Claim,
-        failures: &[Failure],
-    ) -> impl Future<Output = Result<Vec<String>>> + Send {
-        async move {
-            let mut marked = Vec::with_capacity(failures.len());
-            for failure in failures {
-                let done = match failure.outcome {
-                    FailureOutcome::Retry { after } => {
-                        self.mark_failed(claim, &failure.id, &failure.error, after)
-                            .await?
-                    }
-                    FailureOutcome::Dead { count_attempt } => {
-                        self.mark_dead(claim, &failure.id, &failure.error, count_attempt)
-                            .await?
-                    }
-                };
-                if done {
-                    marked.push(failure.id.clone());
-                }
-            }
-            Ok(marked)
-        }
+    ) -> impl Future<Output = Result<bool>> + Send {
+        let failure = Failure::dead(id, reason, count_attempt);
+        async move { Ok(!self.mark_failures(claim, &[failure]).await?.is_empty()) }
     }
 
     /// Extends the lease on rows of `claim` to `lease` from now (repository clock), for a
@@ -427,26 +413,6 @@ impl<R: OutboxRepository> OutboxRepository for Arc<R> {
         rows: &[Dispatched],
     ) -> impl Future<Output = Result<u64>> + Send {
         (**self).mark_dispatched(claim, rows)
-    }
-
-    fn mark_failed(
-        &self,
-        claim: &Claim,
-        id: &str,
-        error: &str,
-        retry_after: Duration,
-    ) -> impl Future<Output = Result<bool>> + Send {
-        (**self).mark_failed(claim, id, error, retry_after)
-    }
-
-    fn mark_dead(
-        &self,
-        claim: &Claim,
-        id: &str,
-        reason: &str,
-        count_attempt: bool,
-    ) -> impl Future<Output = Result<bool>> + Send {
-        (**self).mark_dead(claim, id, reason, count_attempt)
     }
 
     fn release(&self, claim: &Claim, ids: &[&str]) -> impl Future<Output = Result<u64>> + Send {

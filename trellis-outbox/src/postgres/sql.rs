@@ -44,19 +44,6 @@ pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
              WHERE o.id = d.id AND o.claim_token = $3"
         )
         .into(),
-        mark_failed: format!(
-            "UPDATE {o} SET state = 'failed', attempts = attempts + 1, updated_at = now(), \
-             next_attempt_at = now() + make_interval(secs => $3), last_error = $4, \
-             claimed_until = NULL, claim_token = NULL \
-             WHERE id = $1 AND claim_token = $2"
-        )
-        .into(),
-        mark_dead: format!(
-            "UPDATE {o} SET state = 'dead', attempts = attempts + $3, updated_at = now(), \
-             next_attempt_at = {NEVER}, last_error = $4, claimed_until = NULL, claim_token = NULL \
-             WHERE id = $1 AND claim_token = $2"
-        )
-        .into(),
         // $1 ids, $2 errors, $3 retry delays in seconds (NULL: dead), $4 attempts to add,
         // $5 token.
         mark_failures: format!(

@@ -49,19 +49,6 @@ pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
              WHERE claim_token = ?2 AND id IN (SELECT value ->> '$[0]' FROM json_each(?1))"
         )
         .into(),
-        mark_failed: format!(
-            "UPDATE {o} SET state = 'failed', attempts = attempts + 1, updated_at = {NOW}, \
-             next_attempt_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?3), last_error = ?4, \
-             claimed_until = NULL, claim_token = NULL \
-             WHERE id = ?1 AND claim_token = ?2"
-        )
-        .into(),
-        mark_dead: format!(
-            "UPDATE {o} SET state = 'dead', attempts = attempts + ?3, updated_at = {NOW}, \
-             next_attempt_at = {NEVER}, last_error = ?4, claimed_until = NULL, claim_token = NULL \
-             WHERE id = ?1 AND claim_token = ?2"
-        )
-        .into(),
         // ?1 JSON array of [id, error, delay modifier or null (dead), attempts to add],
         // ?2 token.
         mark_failures: format!(
