@@ -209,7 +209,7 @@ fn options() -> DispatchOptions {
 
 /// A claim upstream took and abandoned is left alone while it lasts and dispatched by ours
 /// once it ended (30 s of database time, shifted instead of waited for); upstream's late mark
-/// of it is fenced out.
+/// of it is fenced out (with `beside_upstream`).
 async fn abandoned_upstream_claims_are_adopted<R: OutboxRepository>(db: &impl Shared, repo: R) {
     db.enqueue(&records(5)).await;
     let claimed = db.upstream_claim(3, Utc::now()).await;
@@ -258,7 +258,8 @@ async fn abandoned_upstream_claims_are_adopted<R: OutboxRepository>(db: &impl Sh
 async fn postgres_abandoned_upstream_claims_are_adopted() {
     let db = TestPg::new().await;
     migrate(&db.pool).await.unwrap();
-    abandoned_upstream_claims_are_adopted(&db, PgOutboxRepository::new(db.pool.clone())).await;
+    let repo = PgOutboxRepository::new(db.pool.clone()).beside_upstream();
+    abandoned_upstream_claims_are_adopted(&db, repo).await;
     db.close().await;
 }
 
@@ -266,7 +267,8 @@ async fn postgres_abandoned_upstream_claims_are_adopted() {
 async fn sqlite_abandoned_upstream_claims_are_adopted() {
     let db = TestSqlite::new().await;
     migrate(&db.pool).await.unwrap();
-    abandoned_upstream_claims_are_adopted(&db, SqliteOutboxRepository::new(db.pool.clone())).await;
+    let repo = SqliteOutboxRepository::new(db.pool.clone()).beside_upstream();
+    abandoned_upstream_claims_are_adopted(&db, repo).await;
 }
 
 /// Upstream's claimer and our dispatcher drain one table at once: every row is published
@@ -344,7 +346,7 @@ async fn both_claimers_publish_each_row_once<R: OutboxRepository>(
 async fn postgres_both_claimers_publish_each_row_once() {
     let db = Arc::new(TestPg::new().await);
     migrate(&db.pool).await.unwrap();
-    let repo = PgOutboxRepository::new(db.pool.clone());
+    let repo = PgOutboxRepository::new(db.pool.clone()).beside_upstream();
     both_claimers_publish_each_row_once(db.clone(), repo, 10_000).await;
     if let Ok(db) = Arc::try_unwrap(db) {
         db.close().await;
@@ -355,7 +357,7 @@ async fn postgres_both_claimers_publish_each_row_once() {
 async fn sqlite_both_claimers_publish_each_row_once() {
     let db = Arc::new(TestSqlite::new().await);
     migrate(&db.pool).await.unwrap();
-    let repo = SqliteOutboxRepository::new(db.pool.clone());
+    let repo = SqliteOutboxRepository::new(db.pool.clone()).beside_upstream();
     both_claimers_publish_each_row_once(db, repo, 10_000).await;
 }
 
@@ -417,4 +419,44 @@ async fn sqlite_rows_pass_upstreams_rules() {
     let db = TestSqlite::new().await;
     migrate(&db.pool).await.unwrap();
     our_rows_pass_upstreams_rules(&db, SqliteOutboxRepository::new(db.pool.clone())).await;
+}
+
+/// Without `beside_upstream` (upstream no longer runs), expired upstream claims are still
+/// adopted and published once; live ones are left alone.
+async fn expired_upstream_claims_are_adopted_by_default<R: OutboxRepository>(
+    db: &impl Shared,
+    repo: R,
+) {
+    db.enqueue(&records(4)).await;
+    let claimed = db.upstream_claim(2, Utc::now()).await;
+    let publisher = RecordingPublisher::new();
+    let report = dispatch_outbox(&repo, &publisher, options()).await.unwrap();
+    assert_eq!(report.dispatched, 2);
+    db.age_claims(chrono::TimeDelta::seconds(31)).await;
+    let report = dispatch_outbox(&repo, &publisher, options()).await.unwrap();
+    assert_eq!(report.dispatched, 2);
+    for (id, _) in &claimed {
+        assert_eq!(publisher.attempt_count(id), 1, "{id}");
+    }
+    assert!(db.states().await.iter().all(|(_, s)| s == "dispatched"));
+}
+
+#[tokio::test]
+async fn postgres_expired_upstream_claims_are_adopted_by_default() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    expired_upstream_claims_are_adopted_by_default(&db, PgOutboxRepository::new(db.pool.clone()))
+        .await;
+    db.close().await;
+}
+
+#[tokio::test]
+async fn sqlite_expired_upstream_claims_are_adopted_by_default() {
+    let db = TestSqlite::new().await;
+    migrate(&db.pool).await.unwrap();
+    expired_upstream_claims_are_adopted_by_default(
+        &db,
+        SqliteOutboxRepository::new(db.pool.clone()),
+    )
+    .await;
 }

@@ -435,7 +435,7 @@ async fn raw_drain_pg(pool: &Pool<Postgres>, publisher: &Recorder) -> Result<u64
         let token = ulid::Ulid::generate().to_string();
         let rows: Vec<(String, String, String, Json<serde_json::Value>)> = sqlx::query_as(
             "UPDATE trellis_outbox SET claimed_until = now() + interval '30 seconds', claim_token = $1 \
-             WHERE id = ANY(ARRAY(SELECT id FROM trellis_outbox WHERE state IN ('pending', 'failed') \
+             WHERE id = ANY(ARRAY(SELECT id FROM trellis_outbox WHERE state IN ('pending', 'failed', 'claimed') \
              AND (next_attempt_at IS NULL OR next_attempt_at <= now()) \
              AND (claimed_until IS NULL OR claimed_until <= now()) \
              ORDER BY created_at, id LIMIT 100 FOR UPDATE SKIP LOCKED)) \
@@ -469,7 +469,7 @@ async fn raw_drain_sqlite(pool: &Pool<Sqlite>, publisher: &Recorder) -> Result<u
         let rows: Vec<(String, String, String, String)> = sqlx::query_as(
             "UPDATE trellis_outbox SET claimed_until = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '+30 seconds'), claim_token = ?1 \
              WHERE id IN (SELECT id FROM trellis_outbox INDEXED BY trellis_outbox_claim_idx \
-             WHERE state IN ('pending', 'failed') \
+             WHERE state IN ('pending', 'failed', 'claimed') \
              AND (next_attempt_at IS NULL OR next_attempt_at <= strftime('%Y-%m-%dT%H:%M:%fZ', 'now')) \
              AND (claimed_until IS NULL OR claimed_until <= strftime('%Y-%m-%dT%H:%M:%fZ', 'now')) \
              ORDER BY created_at, id LIMIT 100) \
@@ -537,7 +537,7 @@ async fn locking_drain_sqlite(pool: &Pool<Sqlite>, publisher: &Recorder) -> Resu
         let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
         let rows: Vec<(String, String, String, String)> = sqlx::query_as(
             "SELECT id, subject, payload, headers FROM trellis_outbox INDEXED BY trellis_outbox_claim_idx \
-             WHERE state IN ('pending', 'failed') AND (next_attempt_at IS NULL OR next_attempt_at <= strftime('%Y-%m-%dT%H:%M:%fZ', 'now')) \
+             WHERE state IN ('pending', 'failed', 'claimed') AND (next_attempt_at IS NULL OR next_attempt_at <= strftime('%Y-%m-%dT%H:%M:%fZ', 'now')) \
              ORDER BY created_at, id LIMIT 100",
         )
         .fetch_all(&mut *tx)

@@ -212,6 +212,9 @@ pub(crate) mod sealed {
         pub pool: &'a Pool<DB>,
         pub sql: &'a SqlStatements,
         pub only: &'a DB::Only,
+        /// Whether claims also write upstream Trellis' lease (see
+        /// [`SqlOutboxRepository::beside_upstream`](crate::SqlOutboxRepository::beside_upstream)).
+        pub beside_upstream: bool,
     }
 
     impl<DB: RepositoryBackend> Clone for On<'_, DB> {

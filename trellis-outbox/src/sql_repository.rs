@@ -42,6 +42,7 @@ pub struct SqlOutboxRepository<DB: OutboxDatabase> {
     pool: Pool<DB>,
     sql: Arc<SqlStatements>,
     only: Arc<DB::Only>,
+    beside_upstream: bool,
 }
 
 impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
@@ -56,7 +57,29 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
             pool,
             sql: Arc::new(SqlStatements::new(DB::DIALECT, tables, false)),
             only: Arc::new(DB::only(tables)),
+            beside_upstream: false,
         }
+    }
+
+    /// For a table that an upstream Trellis (TypeScript, 0.11 final or later) dispatcher
+    /// drains at the same time, e.g. during a rollout: claims also write upstream's lease —
+    /// `next_attempt_at` = the lease's end, which upstream's claim respects — and move an
+    /// adopted upstream claim back to `pending`, which fences out upstream's late marks of it.
+    /// Together the two dispatchers then publish every row once.
+    ///
+    /// Off by default: writing `next_attempt_at` on every claim updates an indexed column
+    /// (on Postgres the lease update is no longer HOT), which costs claim throughput.
+    /// Without it, expired upstream claims (`claimed` rows) are still adopted, and `dead`
+    /// rows are still never due for upstream.
+    ///
+    /// ```no_run
+    /// # fn run(pool: sqlx::PgPool) {
+    /// let repository = trellis_outbox::PgOutboxRepository::new(pool).beside_upstream();
+    /// # let _ = repository; }
+    /// ```
+    pub fn beside_upstream(mut self) -> Self {
+        self.beside_upstream = true;
+        self
     }
 
     /// The pool this repository uses.
@@ -69,6 +92,7 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
             pool: &self.pool,
             sql: &self.sql,
             only: &self.only,
+            beside_upstream: self.beside_upstream,
         }
     }
 }
@@ -79,6 +103,7 @@ impl<DB: OutboxDatabase> Clone for SqlOutboxRepository<DB> {
             pool: self.pool.clone(),
             sql: Arc::clone(&self.sql),
             only: Arc::clone(&self.only),
+            beside_upstream: self.beside_upstream,
         }
     }
 }
@@ -89,6 +114,7 @@ impl<DB: OutboxDatabase> std::fmt::Debug for SqlOutboxRepository<DB> {
             .field("pool", &self.pool)
             .field("sql", &self.sql)
             .field("only", &self.only)
+            .field("beside_upstream", &self.beside_upstream)
             .finish()
     }
 }

@@ -51,6 +51,7 @@ impl RepositoryBackend for Postgres {
             .bind(sql_seconds(lease))
             .bind(&token)
             .bind(cutoff)
+            .bind(on.beside_upstream)
             .fetch_all(on.pool)
             .await
             .map_err(Error::repository("claim"))?;

@@ -115,8 +115,10 @@ pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
 #[derive(Debug)]
 #[cfg(feature = "postgres")]
 pub struct PgOnly {
-    /// $1 limit, $2 lease in seconds, $3 token, $4 cutoff or NULL (now). Returns
-    /// [`COLUMNS`] and the cutoff used.
+    /// $1 limit, $2 lease in seconds, $3 token, $4 cutoff or NULL (now), $5 whether to write
+    /// upstream Trellis' lease too (`next_attempt_at`, and `claimed` back to `pending`;
+    /// assigning a column its own value keeps the update HOT). Returns [`COLUMNS`] and the
+    /// cutoff used.
     ///
     /// `WHERE id = ANY(ARRAY(SELECT id …))`: the `ARRAY(…)` form makes the planner update the
     /// claimed rows through the primary key, where `id IN (SELECT …)` may become a hash join
@@ -133,8 +135,9 @@ impl PgOnly {
         Self {
             claim: format!(
                 "UPDATE {o} SET claimed_until = now() + make_interval(secs => $2), claim_token = $3, \
-                 next_attempt_at = now() + make_interval(secs => $2), \
-                 state = CASE WHEN state = 'claimed' THEN 'pending' ELSE state END \
+                 next_attempt_at = CASE WHEN $5 THEN now() + make_interval(secs => $2) \
+                 ELSE next_attempt_at END, \
+                 state = CASE WHEN $5 AND state = 'claimed' THEN 'pending' ELSE state END \
                  WHERE id = ANY(ARRAY(SELECT id FROM {o} \
                  WHERE state IN ({OPEN_STATES}) \
                  AND (next_attempt_at IS NULL OR next_attempt_at <= COALESCE($4, now())) \

@@ -51,7 +51,12 @@ impl RepositoryBackend for Sqlite {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         // The first claim of a wave learns the cutoff (the database's clock) from the claim
         // itself; later claims pass it in and need not read it back.
-        let sql = on.only.claim.get(limit, cutoff.is_none());
+        let claim = if on.beside_upstream {
+            &on.only.claim_beside_upstream
+        } else {
+            &on.only.claim
+        };
+        let sql = claim.get(limit, cutoff.is_none());
         // One autocommit UPDATE: SQLite takes the write lock when the statement starts, so
         // the claim is atomic and concurrent claimers queue on the busy timeout (the same
         // guarantee as BEGIN IMMEDIATE, in one round trip).

@@ -122,6 +122,9 @@ pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
 pub struct SqliteOnly {
     /// The claim, split around its `LIMIT` (see [`ClaimSql`]).
     pub(crate) claim: ClaimSql,
+    /// The claim that also writes upstream Trellis' lease (`next_attempt_at`) and moves an
+    /// adopted `claimed` row back to `pending`.
+    pub(crate) claim_beside_upstream: ClaimSql,
     /// Reads claimed rows column by column (rows whose packed values were unreadable).
     pub(crate) read_claimed: Arc<str>,
     /// Why `retry` changed nothing: the row's state (as text) and lease, if any.
@@ -133,27 +136,12 @@ impl SqliteOnly {
     pub(crate) fn new(tables: &OutboxTables) -> Self {
         let o = tables.outbox();
         Self {
-            // ?1 lease modifier ('+30.000 seconds'), ?2 token, ?3 cutoff or NULL; the limit is
-            // a literal. Without statistics SQLite prefers the (state, next_attempt_at) index
-            // and sorts every undispatched row per claim; the partial claim index yields them
-            // in order.
-            claim: ClaimSql {
-                head: format!(
-                    "UPDATE {o} SET claimed_until = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?1), claim_token = ?2, \
-                     next_attempt_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?1), \
-                     state = CASE WHEN state = 'claimed' THEN 'pending' ELSE state END \
-                     WHERE id IN (SELECT id FROM {o} INDEXED BY {o}_claim_idx \
-                     WHERE state IN ({OPEN_STATES}) \
-                     AND (next_attempt_at IS NULL OR next_attempt_at <= COALESCE(?3, {NOW})) \
-                     AND (claimed_until IS NULL OR claimed_until <= {NOW}) \
-                     ORDER BY created_at, id LIMIT "
-                ),
-                tail: format!(") RETURNING {CLAIM_COLUMNS}"),
-                tail_with_cutoff: format!(
-                    ") RETURNING {CLAIM_COLUMNS}, COALESCE(?3, {NOW}) AS claim_cutoff"
-                ),
-                last: Mutex::new(None),
-            },
+            claim: ClaimSql::new(o, ""),
+            claim_beside_upstream: ClaimSql::new(
+                o,
+                "next_attempt_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?1), \
+                 state = CASE WHEN state = 'claimed' THEN 'pending' ELSE state END, ",
+            ),
             // ?1 JSON array of ids, ?2 token.
             read_claimed: format!(
                 "SELECT {COLUMNS} FROM {o} \
@@ -202,6 +190,29 @@ struct ClaimTexts {
 #[cfg(feature = "sqlite")]
 impl ClaimSql {
     /// The claim for `limit` rows; `with_cutoff` also returns the cutoff as `claim_cutoff`.
+    /// ?1 lease modifier ('+30.000 seconds'), ?2 token, ?3 cutoff or NULL; the limit is a
+    /// literal. `also_set` is more of the `SET` list (ending in `, `). Without statistics
+    /// SQLite prefers the (state, next_attempt_at) index and sorts every undispatched row per
+    /// claim; the partial claim index yields them in order.
+    fn new(o: &str, also_set: &str) -> Self {
+        Self {
+            head: format!(
+                "UPDATE {o} SET {also_set}claimed_until = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?1), \
+                 claim_token = ?2 \
+                 WHERE id IN (SELECT id FROM {o} INDEXED BY {o}_claim_idx \
+                 WHERE state IN ({OPEN_STATES}) \
+                 AND (next_attempt_at IS NULL OR next_attempt_at <= COALESCE(?3, {NOW})) \
+                 AND (claimed_until IS NULL OR claimed_until <= {NOW}) \
+                 ORDER BY created_at, id LIMIT "
+            ),
+            tail: format!(") RETURNING {CLAIM_COLUMNS}"),
+            tail_with_cutoff: format!(
+                ") RETURNING {CLAIM_COLUMNS}, COALESCE(?3, {NOW}) AS claim_cutoff"
+            ),
+            last: Mutex::new(None),
+        }
+    }
+
     pub(crate) fn get(&self, limit: i64, with_cutoff: bool) -> Arc<str> {
         let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
         let texts = match &mut *last {
