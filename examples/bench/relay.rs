@@ -38,6 +38,10 @@
 //!    its own pool and the default (notifying) outbox.
 //!    In both, the dispatcher has its own 4-connection pool, as the README recommends. Each
 //!    mode also prints how much of the latency the commit itself took.
+//!    First, the floor is measured the same way: a **dual write** (commit a business row,
+//!    then publish the event directly and await its ack, no outbox) at the same rate;
+//!    `BENCH name=latency_inprocess` and `latency_listen_notify` compare each mode's p99 with
+//!    the floor's (ratio = floor / ours, higher is better; targets 0.5 and 0.4).
 //!    The first 5 % of samples are dropped as warm-up.
 //! 3. **Peak RSS** (`rss`): loads 1,000,000 rows (quick: 100,000; untimed, 5,000 per
 //!    transaction), then drains them with `dispatch_outbox` to a file-backed JetStream stream
@@ -502,6 +506,51 @@ async fn produce(
 /// One committed event: `(seq, ns just before commit, ns just after commit)`.
 type Sent = (u64, u64, u64);
 
+/// The latency floor, a **dual write** with no outbox: each task commits a business row,
+/// then publishes the event itself and awaits the JetStream ack, at the same open-loop rate
+/// as [`produce`]. Nothing can deliver an event sooner after its commit (and, unlike the
+/// outbox, it loses the event if the process dies between commit and publish).
+async fn produce_dual_write(
+    pool: &PgPool,
+    js: &Context,
+    subject: &str,
+    count: u64,
+    interval: Duration,
+) -> Result<Vec<Sent>, BoxError> {
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS bench_business (seq bigint PRIMARY KEY, body jsonb NOT NULL)",
+    )
+    .execute(pool)
+    .await?;
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut tasks = tokio::task::JoinSet::new();
+    for seq in 0..count {
+        ticker.tick().await;
+        let body = serde_json::json!({ "seq": seq });
+        let (pool, js, subject) = (pool.clone(), js.clone(), subject.to_owned());
+        tasks.spawn(async move {
+            let mut tx = pool.begin().await?;
+            sqlx::query("INSERT INTO bench_business (seq, body) VALUES ($1, $2)")
+                .bind(i64::try_from(seq)?)
+                .bind(sqlx::types::Json(&body))
+                .execute(&mut *tx)
+                .await?;
+            let before = now_ns();
+            tx.commit().await?;
+            let after = now_ns();
+            js.publish(subject, body.to_string().into()).await?.await?;
+            Ok::<_, BoxError>((seq, before, after))
+        });
+    }
+    let mut out = Vec::with_capacity(count as usize);
+    while let Some(result) = tasks.join_next().await {
+        out.push(result??);
+    }
+    out.sort_unstable();
+    Ok(out)
+}
+
 /// The dispatcher's own small pool, as the README recommends: on the producers' pool its
 /// claims would queue behind their transactions.
 async fn dispatcher_pool(pg: &TestPg) -> Result<PgPool, BoxError> {
@@ -672,6 +721,22 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
     );
     *ROW_STEPS.lock().expect("not poisoned") = Some(Vec::new());
     let outcome = async {
+        // (o) the floor: a dual write (commit, then publish and await the ack), no outbox.
+        let subject = stream.subject("lat.dualwrite");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let sub = sub_client.subscribe(subject.clone()).await?;
+        sub_client.flush().await?;
+        let receiver = tokio::spawn(receive(sub, count, seen.clone()));
+        let sent = produce_dual_write(&pg.pool, &js, &subject, count, interval).await?;
+        wait_for(&seen, count).await;
+        receiver.abort();
+        let floor = latencies("dual_write", &sent, &seen.lock().expect("not poisoned"))?;
+        let floor_p99 = percentile(&floor, 99.0);
+        println!(
+            "LATENCY name=dual_write p50_ms={:.3} p99_ms={floor_p99:.3}",
+            percentile(&floor, 50.0)
+        );
+
         // (i) in-process notify.
         let subject = stream.subject("lat.inprocess");
         let seen = Arc::new(Mutex::new(Vec::new()));
@@ -691,6 +756,7 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
         dispatcher.shutdown().await;
         receiver.abort();
         let samples = latencies("inprocess", &sent, &seen.lock().expect("not poisoned"))?;
+        let inprocess_p99 = percentile(&samples, 99.0);
         report_latency(
             "inprocess",
             "same process, notify() after commit",
@@ -754,6 +820,7 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
         dispatcher.shutdown().await;
         receiver.abort();
         let samples = latencies("listen_notify", &sent, &seen.lock().expect("not poisoned"))?;
+        let listen_p99 = percentile(&samples, 99.0);
         report_latency(
             "listen_notify",
             "producer in another process, listen_postgres",
@@ -762,6 +829,23 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
             25.0,
             table,
         );
+        // Against the floor: baseline / ours, so higher is better (1.0 = as fast as a dual
+        // write). Targets: >= 0.5 in-process, >= 0.4 over LISTEN/NOTIFY.
+        for (name, ours, target) in [
+            ("latency_inprocess", inprocess_p99, 0.5),
+            ("latency_listen_notify", listen_p99, 0.4),
+        ] {
+            let ratio = floor_p99 / ours.max(f64::MIN_POSITIVE);
+            println!("BENCH name={name} ours={ours:.3} baseline={floor_p99:.3} ratio={ratio:.3}");
+            table.push((
+                name.to_owned(),
+                format!("p99 {ours:.2} ms vs dual write p99 {floor_p99:.2} ms"),
+                format!(
+                    "ratio {ratio:.3} (target >= {target}) {}",
+                    if ratio >= target { "met" } else { "MISSED" }
+                ),
+            ));
+        }
         Ok::<_, BoxError>(())
     }
     .await;
