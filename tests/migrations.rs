@@ -84,7 +84,7 @@ fn v3_is_pinned() {
         (Dialect::Postgres, "fnv1a64:60a1bb47a8cb8d22"),
     ] {
         let all = migrations(dialect, &OutboxTables::default());
-        assert_eq!(all.len(), 3);
+        assert_eq!(all.len(), 4);
         let v3 = &all[2];
         assert_eq!(v3.id, format!("trellis_sql_outbox_inbox_{dialect}_v3"));
         assert_eq!(v3.version, 3);
@@ -109,6 +109,24 @@ fn v3_is_pinned() {
         pg.down.last().map(String::as_str),
         Some("ALTER TABLE trellis_outbox DROP CONSTRAINT IF EXISTS trellis_outbox_state_ck")
     );
+}
+
+// Both dialects share version 4's text, so its checksum too.
+#[test]
+fn v4_is_pinned() {
+    for dialect in [Dialect::Sqlite, Dialect::Postgres] {
+        let v4 = &migrations(dialect, &OutboxTables::default())[3];
+        assert_eq!(v4.id, format!("trellis_sql_outbox_inbox_{dialect}_v4"));
+        assert_eq!(v4.version, 4);
+        assert_eq!(v4.checksum, "fnv1a64:41dc50606feba327", "{dialect}");
+        assert_eq!(
+            v4.up,
+            [
+                "CREATE INDEX IF NOT EXISTS trellis_outbox_done_idx ON trellis_outbox (updated_at) WHERE state = 'dispatched'",
+                "CREATE INDEX IF NOT EXISTS trellis_inbox_recv_idx ON trellis_inbox (received_at)",
+            ]
+        );
+    }
 }
 
 #[test]
@@ -203,8 +221,8 @@ fn script_is_pasteable() {
     ));
     assert_eq!(
         sql.matches(";\n").count(),
-        11,
-        "SQLite: 3 statements in v1 and v2, 5 in v3"
+        13,
+        "SQLite: 3 statements in v1 and v2, 5 in v3, 2 in v4"
     );
 }
 
@@ -234,7 +252,8 @@ async fn pg_migrate_twice_is_a_no_op() {
         [
             "trellis_sql_outbox_inbox_postgres_v1",
             "trellis_sql_outbox_inbox_postgres_v2",
-            "trellis_sql_outbox_inbox_postgres_v3"
+            "trellis_sql_outbox_inbox_postgres_v3",
+            "trellis_sql_outbox_inbox_postgres_v4"
         ]
     );
     assert!(first.already_applied.is_empty());
@@ -267,7 +286,8 @@ async fn pg_migrate_twice_is_a_no_op() {
         [
             "trellis_sql_outbox_inbox_postgres_v1",
             "trellis_sql_outbox_inbox_postgres_v2",
-            "trellis_sql_outbox_inbox_postgres_v3"
+            "trellis_sql_outbox_inbox_postgres_v3",
+            "trellis_sql_outbox_inbox_postgres_v4"
         ]
     );
     let (id, checksum): (String, String) = sqlx::query_as(
@@ -290,7 +310,8 @@ async fn sqlite_migrate_twice_is_a_no_op() {
         [
             "trellis_sql_outbox_inbox_sqlite_v1",
             "trellis_sql_outbox_inbox_sqlite_v2",
-            "trellis_sql_outbox_inbox_sqlite_v3"
+            "trellis_sql_outbox_inbox_sqlite_v3",
+            "trellis_sql_outbox_inbox_sqlite_v4"
         ]
     );
     for table in [
@@ -311,7 +332,8 @@ async fn sqlite_migrate_twice_is_a_no_op() {
         [
             "trellis_sql_outbox_inbox_sqlite_v1",
             "trellis_sql_outbox_inbox_sqlite_v2",
-            "trellis_sql_outbox_inbox_sqlite_v3"
+            "trellis_sql_outbox_inbox_sqlite_v3",
+            "trellis_sql_outbox_inbox_sqlite_v4"
         ]
     );
 }
@@ -367,12 +389,12 @@ async fn pg_concurrent_migrations_apply_once() {
     let db = TestPg::new().await;
     let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
     let applied: usize = reports.into_iter().map(|r| r.unwrap().applied.len()).sum();
-    assert_eq!(applied, 3, "each version applied by exactly one caller");
+    assert_eq!(applied, 4, "each version applied by exactly one caller");
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox_migrations")
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    assert_eq!(rows, 3, "one bookkeeping row per version");
+    assert_eq!(rows, 4, "one bookkeeping row per version");
     db.close().await;
 }
 
@@ -381,19 +403,19 @@ async fn sqlite_concurrent_migrations_apply_once() {
     let db = TestSqlite::new().await;
     let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
     let applied: usize = reports.into_iter().map(|r| r.unwrap().applied.len()).sum();
-    assert_eq!(applied, 3, "each version applied by exactly one caller");
+    assert_eq!(applied, 4, "each version applied by exactly one caller");
 }
 
 #[tokio::test]
 async fn pg_custom_tables_are_separate_and_default_ones_untouched() {
     let db = TestPg::new().await;
     let report = migrate_with(&db.pool, &service_tables()).await.unwrap();
-    assert_eq!(report.applied.len(), 3);
+    assert_eq!(report.applied.len(), 4);
     assert!(pg_table_exists(&db.pool, "service_outbox").await);
     assert!(pg_table_exists(&db.pool, "service_inbox").await);
     assert!(!pg_table_exists(&db.pool, "trellis_outbox").await);
     // The default tables are migrated independently in the same database.
-    assert_eq!(migrate(&db.pool).await.unwrap().applied.len(), 3);
+    assert_eq!(migrate(&db.pool).await.unwrap().applied.len(), 4);
     assert!(pg_table_exists(&db.pool, "trellis_outbox").await);
     db.close().await;
 }
@@ -419,7 +441,8 @@ async fn sqlite_adopts_a_table_created_by_trellis_ts() {
         [
             "trellis_sql_outbox_inbox_sqlite_v1",
             "trellis_sql_outbox_inbox_sqlite_v2",
-            "trellis_sql_outbox_inbox_sqlite_v3"
+            "trellis_sql_outbox_inbox_sqlite_v3",
+            "trellis_sql_outbox_inbox_sqlite_v4"
         ]
     );
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox")
@@ -459,7 +482,7 @@ where
     }
     let report = migrate(pool).await.unwrap();
     assert!(report.upgraded_from_0_10);
-    assert_eq!(report.applied.len(), 3);
+    assert_eq!(report.applied.len(), 4);
     let again = migrate(pool).await.unwrap();
     assert!(!again.upgraded_from_0_10 && again.applied.is_empty());
 

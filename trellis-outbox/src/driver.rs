@@ -66,6 +66,14 @@ pub(crate) mod sealed {
             sql: &'a Arc<str>,
         ) -> Boxed<'a, sqlx::Result<Option<f64>>>;
 
+        /// Runs `sql` binding an age in seconds and a limit; the rows it deleted.
+        fn delete_older<'a>(
+            pool: &'a Pool<Self>,
+            sql: &'a Arc<str>,
+            seconds: f64,
+            limit: i64,
+        ) -> Boxed<'a, sqlx::Result<u64>>;
+
         /// Runs `sql` binding `first` and `second`; the rows it changed.
         fn execute_pair<'a, V>(
             conn: &'a mut Self::Connection,
@@ -111,6 +119,8 @@ pub(crate) mod sealed {
         for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
         for<'q> &'q str: Encode<'q, DB> + Type<DB>,
         for<'q> i32: Encode<'q, DB> + Type<DB>,
+        for<'q> i64: Encode<'q, DB> + Type<DB>,
+        for<'q> f64: Encode<'q, DB> + Type<DB>,
         for<'r> Option<f64>: Decode<'r, DB> + Type<DB>,
         for<'r> (i64, String, String): sqlx::FromRow<'r, DB::Row>,
         for<'r> String: Decode<'r, DB> + Type<DB>,
@@ -142,6 +152,18 @@ pub(crate) mod sealed {
             sql: &'a Arc<str>,
         ) -> Boxed<'a, sqlx::Result<Option<f64>>> {
             Box::pin(async move { sqlx::query_scalar(statement(sql)).fetch_one(pool).await })
+        }
+
+        fn delete_older<'a>(
+            pool: &'a Pool<Self>,
+            sql: &'a Arc<str>,
+            seconds: f64,
+            limit: i64,
+        ) -> Boxed<'a, sqlx::Result<u64>> {
+            Box::pin(async move {
+                let query = sqlx::query(statement(sql)).bind(seconds).bind(limit);
+                Ok(query.execute(pool).await?.rows_affected())
+            })
         }
 
         fn execute_pair<'a, V>(

@@ -70,6 +70,13 @@ pub enum Error {
         problem: String,
     },
 
+    /// A retention call was given an out-of-range option.
+    #[error("invalid retention option: {problem}")]
+    InvalidRetention {
+        /// What is wrong.
+        problem: &'static str,
+    },
+
     /// A Trellis event descriptor identity could not be built.
     #[error("invalid Trellis event descriptor for API {api_id:?}, event {event_name:?}: {problem}")]
     InvalidDescriptor {

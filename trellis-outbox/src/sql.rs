@@ -67,6 +67,10 @@ pub struct SqlStatements {
     pub(crate) sweep_unfinishable: Arc<str>,
     /// Seconds until the next row is due (NULL when no row is open).
     pub(crate) next_due_in: Arc<str>,
+    /// Deletes up to a limit of `dispatched` rows last updated before an age (age, limit).
+    pub(crate) purge_dispatched: Arc<str>,
+    /// Deletes up to a limit of inbox rows received before an age (age, limit).
+    pub(crate) purge_inbox: Arc<str>,
 }
 
 impl SqlStatements {
@@ -197,6 +201,24 @@ impl Ddl {
             ),
             format!("ALTER TABLE {o} ADD COLUMN outcome {}", types.json),
         ]
+    }
+
+    /// Version 4: the indexes retention deletes through, oldest first: dispatched rows by
+    /// `updated_at` (partial, so open rows never enter it) and inbox rows by `received_at`.
+    pub(crate) fn v4(tables: &OutboxTables) -> Self {
+        let (o, i) = (tables.outbox(), tables.inbox());
+        Ddl {
+            up: vec![
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {o}_done_idx ON {o} (updated_at) WHERE state = 'dispatched'"
+                ),
+                format!("CREATE INDEX IF NOT EXISTS {i}_recv_idx ON {i} (received_at)"),
+            ],
+            down: vec![
+                format!("DROP INDEX IF EXISTS {i}_recv_idx"),
+                format!("DROP INDEX IF EXISTS {o}_done_idx"),
+            ],
+        }
     }
 
     /// Version 3's claim index: also upstream Trellis' `claimed` rows, which become

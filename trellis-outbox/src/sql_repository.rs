@@ -87,6 +87,78 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
         &self.pool
     }
 
+    /// Deletes `dispatched` rows last updated more than `older_than` ago (database clock),
+    /// oldest first, `batch` rows per statement until none is left; returns how many were
+    /// deleted. Each statement is its own short transaction through an index of dispatched
+    /// rows (migration version 4), so it neither scans the table nor holds locks for long.
+    /// Rows in any other state — `dead` ones included — are never deleted.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidRetention`] for a `batch` of 0 or over 100,000;
+    /// [`Error::Repository`] if a statement fails (rows deleted before it stay deleted).
+    ///
+    /// ```no_run
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), trellis_outbox::Error> {
+    /// use std::time::Duration;
+    ///
+    /// let repository = trellis_outbox::PgOutboxRepository::new(pool);
+    /// let week = Duration::from_secs(7 * 86_400);
+    /// let deleted = repository.purge_dispatched(week, 1_000).await?;
+    /// println!("deleted {deleted} dispatched rows older than a week");
+    /// # Ok(()) }
+    /// ```
+    pub async fn purge_dispatched(&self, older_than: Duration, batch: usize) -> Result<u64> {
+        self.purge(
+            &self.sql.purge_dispatched,
+            older_than,
+            batch,
+            "purge dispatched rows",
+        )
+        .await
+    }
+
+    /// Deletes inbox rows received more than `older_than` ago, like
+    /// [`purge_dispatched`](Self::purge_dispatched). Keep inbox rows longer than a message
+    /// can be redelivered (the stream's retention and the consumer's redelivery window): a
+    /// purged id is no longer recognised as a duplicate.
+    ///
+    /// # Errors
+    ///
+    /// As [`purge_dispatched`](Self::purge_dispatched).
+    pub async fn purge_inbox(&self, older_than: Duration, batch: usize) -> Result<u64> {
+        self.purge(&self.sql.purge_inbox, older_than, batch, "purge inbox rows")
+            .await
+    }
+
+    async fn purge(
+        &self,
+        sql: &Arc<str>,
+        older_than: Duration,
+        batch: usize,
+        operation: &'static str,
+    ) -> Result<u64> {
+        let limit = match i64::try_from(batch) {
+            Ok(limit @ 1..=100_000) => limit,
+            _ => {
+                return Err(Error::InvalidRetention {
+                    problem: "the batch must be between 1 and 100,000 rows",
+                });
+            }
+        };
+        let seconds = crate::driver::sql_seconds(older_than);
+        let mut total = 0;
+        loop {
+            let deleted = DB::delete_older(&self.pool, sql, seconds, limit)
+                .await
+                .map_err(Error::repository(operation))?;
+            total += deleted;
+            if deleted < limit.unsigned_abs() {
+                return Ok(total);
+            }
+        }
+    }
+
     fn on(&self) -> On<'_, DB> {
         On {
             pool: &self.pool,

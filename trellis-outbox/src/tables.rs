@@ -85,13 +85,16 @@ impl OutboxTables {
 
     /// The suffixes of identifiers derived from the outbox table name: the `NOTIFY` channel
     /// and the indexes. Keep in sync with `migrate.rs` and `sql.rs`.
-    const OUTBOX_SUFFIXES: [&'static str; 3] = ["_wakeup", "_due_idx", "_claim_idx"];
+    const OUTBOX_SUFFIXES: [&'static str; 4] = ["_wakeup", "_due_idx", "_claim_idx", "_done_idx"];
+    /// The suffix of the index derived from the inbox table name.
+    const INBOX_SUFFIX: &'static str = "_recv_idx";
 
     /// Validates both names (outbox first) and returns them.
     ///
     /// Both must be simple identifiers (upstream's rule) and fit PostgreSQL's 63-byte
     /// identifier limit together with every identifier derived from them: `<outbox>_wakeup`,
-    /// `<outbox>_due_idx` and `<outbox>_claim_idx`, so an outbox name has at most 53 bytes.
+    /// `<outbox>_due_idx`, `<outbox>_claim_idx`, `<outbox>_done_idx` and `<inbox>_recv_idx`, so an
+    /// outbox name has at most 53 bytes and an inbox name at most 54.
     /// The limit applies on SQLite too, so a schema can move between the two.
     ///
     /// # Errors
@@ -119,7 +122,11 @@ impl OutboxTables {
             &outbox,
             std::iter::once(outbox.clone()).chain(outbox_derived),
         )?;
-        check_length(TableKind::Inbox, &inbox, std::iter::once(inbox.clone()))?;
+        check_length(
+            TableKind::Inbox,
+            &inbox,
+            [inbox.clone(), format!("{inbox}{}", Self::INBOX_SUFFIX)],
+        )?;
         Ok(Self { outbox, inbox })
     }
 

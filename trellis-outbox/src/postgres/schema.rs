@@ -19,7 +19,12 @@ pub(crate) fn upgrade_0_10(tables: &OutboxTables) -> Vec<String> {
 
 /// The DDL of each version, oldest first.
 pub(crate) fn versions(tables: &OutboxTables) -> Vec<Ddl> {
-    vec![Ddl::v1(tables, &TYPES), v2(tables), v3(tables)]
+    vec![
+        Ddl::v1(tables, &TYPES),
+        v2(tables),
+        v3(tables),
+        Ddl::v4(tables),
+    ]
 }
 
 /// Version 2: claim leases, fencing tokens and the claim index; a fillfactor of 50 for HOT

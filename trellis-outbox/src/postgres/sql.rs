@@ -99,6 +99,19 @@ pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
              RETURNING id, last_error"
         )
         .into(),
+        // $1 age in seconds, $2 limit: the oldest first, through `<outbox>_done_idx`.
+        purge_dispatched: format!(
+            "DELETE FROM {o} WHERE id = ANY(ARRAY(SELECT id FROM {o} \
+             WHERE state = 'dispatched' AND updated_at < now() - make_interval(secs => $1) \
+             ORDER BY updated_at LIMIT $2))"
+        )
+        .into(),
+        purge_inbox: format!(
+            "DELETE FROM {i} WHERE message_id = ANY(ARRAY(SELECT message_id FROM {i} \
+             WHERE received_at < now() - make_interval(secs => $1) \
+             ORDER BY received_at LIMIT $2))"
+        )
+        .into(),
         // Clamped to [now, now + 100 years]: an infinite time (written by another
         // writer) cannot be subtracted from now() and would fail every call.
         next_due_in: format!(

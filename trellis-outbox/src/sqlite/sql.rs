@@ -107,6 +107,20 @@ pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
              CAST(last_error AS BLOB)"
         )
         .into(),
+        // ?1 age in seconds, ?2 limit: the oldest first, through `<outbox>_done_idx`.
+        purge_dispatched: format!(
+            "DELETE FROM {o} WHERE id IN (SELECT id FROM {o} INDEXED BY {o}_done_idx \
+             WHERE state = 'dispatched' \
+             AND updated_at < strftime('%Y-%m-%dT%H:%M:%fZ', julianday('now') - ?1 / 86400.0) \
+             ORDER BY updated_at LIMIT ?2)"
+        )
+        .into(),
+        purge_inbox: format!(
+            "DELETE FROM {i} WHERE message_id IN (SELECT message_id FROM {i} INDEXED BY {i}_recv_idx \
+             WHERE received_at < strftime('%Y-%m-%dT%H:%M:%fZ', julianday('now') - ?1 / 86400.0) \
+             ORDER BY received_at LIMIT ?2)"
+        )
+        .into(),
         next_due_in: format!(
             "SELECT (julianday(min(max(COALESCE(next_attempt_at, {NOW}), COALESCE(claimed_until, {NOW})))) \
              - julianday({NOW})) * 86400.0 \
