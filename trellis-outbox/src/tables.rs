@@ -251,9 +251,12 @@ mod tests {
         let err = OutboxTables::new("c".repeat(54), "inbox").unwrap_err();
         assert!(err.to_string().contains("_claim_idx"), "{err}");
         assert!(!err.is_retryable());
-        // 53 fits every derived identifier.
-        OutboxTables::new("d".repeat(53), "e".repeat(63)).unwrap();
-        // The inbox has no derived identifiers, but its own name must fit.
+        // 53 (outbox) and 54 (inbox) fit every derived identifier.
+        OutboxTables::new("d".repeat(53), "e".repeat(54)).unwrap();
+        // 55: `<inbox>_recv_idx` is 64 bytes.
+        let err = OutboxTables::new("outbox", "e".repeat(55)).unwrap_err();
+        assert!(err.to_string().contains("_recv_idx"), "{err}");
+        // The inbox's own name must fit too.
         let err = OutboxTables::new("outbox", "i".repeat(64)).unwrap_err();
         assert!(
             matches!(
