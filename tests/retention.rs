@@ -131,3 +131,59 @@ async fn sqlite_purges_old_dispatched_and_inbox_rows_only() {
         .unwrap();
     assert_eq!(inbox, 7);
 }
+
+/// `retain_dispatched` purges from the dispatcher task: dispatched rows disappear once older
+/// than the retention, the dead row stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatcher_with_retention_purges_its_old_dispatched_rows() {
+    use trellis_outbox::{OutboxDispatcher, OutboxTransactionExt, PreparedOutboxRecord};
+    use trellis_outbox_tests::publisher::RecordingPublisher;
+
+    let db = TestSqlite::new().await;
+    migrate(&db.pool).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sqlite_rows("dead", 1, 30)))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    for n in 0..20 {
+        tx.enqueue(&PreparedOutboxRecord::event("A.B", "events.v1.A.B", &n).unwrap())
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let dispatcher = OutboxDispatcher::builder(
+        SqliteOutboxRepository::new(db.pool.clone()),
+        RecordingPublisher::new(),
+    )
+    .retain_dispatched(Duration::from_secs(1))
+    .idle_interval(Duration::from_millis(100))
+    .start()
+    .unwrap();
+    let count = |state: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM trellis_outbox WHERE state = ?")
+                .bind(state)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let mut saw_dispatched = false;
+    loop {
+        let (pending, dispatched) = (count("pending").await, count("dispatched").await);
+        saw_dispatched |= dispatched > 0;
+        if pending == 0 && dispatched == 0 && saw_dispatched {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{pending} pending, {dispatched} dispatched rows left"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    dispatcher.shutdown().await;
+    assert_eq!(count("dead").await, 1, "a dead row was purged");
+}

@@ -239,6 +239,10 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
         DB::retry(self.on(), id).await
     }
 
+    async fn purge_dispatched(&self, older_than: Duration, batch: usize) -> Result<u64> {
+        SqlOutboxRepository::purge_dispatched(self, older_than, batch).await
+    }
+
     async fn sweep_unfinishable(&self) -> Result<Vec<PoisonRow>> {
         DB::sweep_unfinishable(self.on()).await
     }

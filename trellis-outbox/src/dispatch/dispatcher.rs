@@ -20,7 +20,7 @@ use crate::dispatch::publisher::Publisher;
 use crate::dispatch::repository::OutboxRepository;
 #[cfg(doc)]
 use crate::dispatch::retry::RetryPolicy;
-use crate::dispatch::worker::Worker;
+use crate::dispatch::worker::{Retention, Worker};
 
 /// Builds an [`OutboxDispatcher`]; see [`OutboxDispatcher::builder`].
 pub struct DispatcherBuilder<R, P> {
@@ -31,6 +31,7 @@ pub struct DispatcherBuilder<R, P> {
     max_wait: Duration,
     idle_interval: Duration,
     on_error: Option<ErrorCallback>,
+    retain_dispatched: Option<Duration>,
     #[cfg(feature = "postgres")]
     listen: Option<(sqlx::PgPool, crate::OutboxTables)>,
 }
@@ -69,6 +70,27 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
         /// notifies that never came (another process enqueued, a notify was lost). Must be
         /// at least 1 ms.
         idle_interval(interval: Duration) => idle_interval;
+    }
+
+    /// Deletes `dispatched` rows last updated more than `older_than` ago, from the dispatcher
+    /// task after a drain, at most every `older_than / 10` (between 1 s and 1 h), 1,000 rows
+    /// per statement ([`OutboxRepository::purge_dispatched`]). Off by default; `dead` rows are
+    /// never deleted. Failures go to [`on_error`](Self::on_error) (operation `purge
+    /// dispatched rows`).
+    ///
+    /// ```no_run
+    /// # fn run(pool: sqlx::PgPool, publisher: trellis_outbox::JetStreamPublisher) -> Result<(), trellis_outbox::DispatchError> {
+    /// use std::time::Duration;
+    /// use trellis_outbox::{OutboxDispatcher, PgOutboxRepository};
+    ///
+    /// let dispatcher = OutboxDispatcher::builder(PgOutboxRepository::new(pool), publisher)
+    ///     .retain_dispatched(Duration::from_secs(7 * 86_400))
+    ///     .start()?;
+    /// # let _ = dispatcher; Ok(()) }
+    /// ```
+    pub fn retain_dispatched(mut self, older_than: Duration) -> Self {
+        self.retain_dispatched = Some(older_than);
+        self
     }
 
     /// Called with every [`DispatchError`]: repository errors, publish failures, rows moved
@@ -141,6 +163,7 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
             on_error: self.on_error.clone(),
             cancel: cancel.clone(),
             wake: wake_rx,
+            retention: self.retain_dispatched.map(Retention::new),
         };
         let task = runtime.spawn(
             worker
@@ -289,6 +312,7 @@ impl OutboxDispatcher {
             max_wait: Duration::from_millis(100),
             idle_interval: Duration::from_secs(5),
             on_error: None,
+            retain_dispatched: None,
             #[cfg(feature = "postgres")]
             listen: None,
         }

@@ -354,6 +354,20 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// [`RetryOutcome`]. Atomic: a row is never reset while a claim holds it.
     fn retry(&self, id: &str) -> impl Future<Output = Result<RetryOutcome>> + Send;
 
+    /// Deletes `dispatched` rows last updated more than `older_than` ago, `batch` rows per
+    /// statement, and returns how many; used by
+    /// [`DispatcherBuilder::retain_dispatched`](crate::DispatcherBuilder::retain_dispatched).
+    /// Never deletes rows in any other state. The default deletes nothing; the SQL
+    /// repositories implement it (see `SqlOutboxRepository::purge_dispatched`).
+    fn purge_dispatched(
+        &self,
+        older_than: Duration,
+        batch: usize,
+    ) -> impl Future<Output = Result<u64>> + Send {
+        let _ = (older_than, batch);
+        std::future::ready(Ok(0))
+    }
+
     /// Moves rows no claim can ever finish to `dead`, with a reason in `last_error`, and
     /// returns them (id, reason): rows in a state this crate does not know (anything but
     /// `pending`, `claimed`, `dispatched`, `failed` and `dead`; `claimed`, upstream Trellis'
@@ -438,6 +452,14 @@ impl<R: OutboxRepository> OutboxRepository for Arc<R> {
 
     fn retry(&self, id: &str) -> impl Future<Output = Result<RetryOutcome>> + Send {
         (**self).retry(id)
+    }
+
+    fn purge_dispatched(
+        &self,
+        older_than: Duration,
+        batch: usize,
+    ) -> impl Future<Output = Result<u64>> + Send {
+        (**self).purge_dispatched(older_than, batch)
     }
 
     fn sweep_unfinishable(&self) -> impl Future<Output = Result<Vec<PoisonRow>>> + Send {

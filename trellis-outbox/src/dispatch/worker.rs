@@ -31,6 +31,30 @@ pub(super) struct Worker<R, P> {
     pub(super) on_error: Option<ErrorCallback>,
     pub(super) cancel: CancellationToken,
     pub(super) wake: mpsc::Receiver<()>,
+    /// Deleting old dispatched rows, if asked for.
+    pub(super) retention: Option<Retention>,
+}
+
+/// [`DispatcherBuilder::retain_dispatched`](crate::DispatcherBuilder::retain_dispatched): how
+/// old a dispatched row may get, and when to purge next.
+#[derive(Debug)]
+pub(super) struct Retention {
+    older_than: Duration,
+    every: Duration,
+    next: Instant,
+}
+
+/// Rows per purge statement.
+const PURGE_BATCH: usize = 1_000;
+
+impl Retention {
+    pub(super) fn new(older_than: Duration) -> Self {
+        Self {
+            older_than,
+            every: (older_than / 10).clamp(Duration::from_secs(1), Duration::from_secs(3_600)),
+            next: Instant::now(),
+        }
+    }
 }
 
 /// Why the worker's wait ended.
@@ -65,6 +89,7 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
             if self.cancel.is_cancelled() {
                 break;
             }
+            self.purge_if_due().await;
             let retry_at = match claimed {
                 Some(claimed) => match self.next_due_in().await {
                     Ok(None) => {
@@ -154,6 +179,27 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
                 .map_err(DispatchError::repository("compute the next due time"))
         })
         .await
+    }
+
+    /// Deletes old dispatched rows when the retention's time has come (after a drain, so a
+    /// purge never delays one).
+    async fn purge_if_due(&mut self) {
+        let Some(retention) = &mut self.retention else {
+            return;
+        };
+        if Instant::now() < retention.next {
+            return;
+        }
+        retention.next = deadline(Instant::now(), retention.every);
+        let older_than = retention.older_than;
+        match self.repo.purge_dispatched(older_than, PURGE_BATCH).await {
+            Ok(0) => {}
+            Ok(deleted) => tracing::debug!(deleted, "purged old dispatched outbox rows"),
+            Err(source) => self.report(&DispatchError::Repository {
+                operation: "purge dispatched rows",
+                source,
+            }),
+        }
     }
 
     /// One drain: passes of waves until no notify arrived during the last pass. Returns how
