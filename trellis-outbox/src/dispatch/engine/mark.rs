@@ -127,13 +127,7 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
 
     /// Reports the publish failures of one batch: a single failure as itself, several as
     /// one [`DispatchError::PublishBatch`], so an outage makes one report per batch.
-    fn report_failures(&self, mut reported: Vec<DispatchError>) {
-        if reported.len() <= 1 {
-            if let Some(error) = reported.pop() {
-                self.emit(error);
-            }
-            return;
-        }
+    fn report_failures(&self, reported: Vec<DispatchError>) {
         let rows = reported.len() as u64;
         let mut dead = 0;
         let mut ids = Vec::new();
@@ -150,26 +144,20 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 }
             }
         }
-        if let Some(DispatchError::Publish {
-            id,
-            attempt,
-            disposition,
-            error,
-        }) = reported.into_iter().next()
-        {
-            self.emit(DispatchError::PublishBatch {
-                rows,
-                retrying: rows - dead,
-                dead,
-                ids,
-                first: Box::new(DispatchError::Publish {
-                    id,
-                    attempt,
-                    disposition,
-                    error,
-                }),
-            });
+        let Some(first) = reported.into_iter().next() else {
+            return;
+        };
+        if rows == 1 {
+            self.emit(first);
+            return;
         }
+        self.emit(DispatchError::PublishBatch {
+            rows,
+            retrying: rows - dead,
+            dead,
+            ids,
+            first: Box::new(first),
+        });
     }
 
     /// Marks `rows` dispatched; returns how many were marked. A failed batch statement is
