@@ -121,9 +121,12 @@ pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
              ORDER BY received_at LIMIT ?2)"
         )
         .into(),
+        // Stored times have millisecond precision, but a julianday is a double of about
+        // 2.46 million days, off by up to ~50 µs: the difference is rounded to whole
+        // milliseconds, so a row due in 500 ms is never reported due in 500.017 ms.
         next_due_in: format!(
-            "SELECT (julianday(min(max(COALESCE(next_attempt_at, {NOW}), COALESCE(claimed_until, {NOW})))) \
-             - julianday({NOW})) * 86400.0 \
+            "SELECT round((julianday(min(max(COALESCE(next_attempt_at, {NOW}), COALESCE(claimed_until, {NOW})))) \
+             - julianday({NOW})) * 86400000.0) / 1000.0 \
              FROM {o} WHERE state IN ({OPEN_STATES})"
         )
         .into(),
