@@ -119,6 +119,29 @@ impl PreparedOutboxRecord {
     }
 }
 
+/// The subject of a Trellis event on the current wire:
+/// `events.v1.<base64url(api)>.<event>` followed by one unpadded base64url token per
+/// parameter, in order, as upstream's `derive_event_subject` and subject templates build it.
+///
+/// # Examples
+///
+/// ```
+/// use trellis_outbox::trellis_event_subject;
+///
+/// assert_eq!(
+///     trellis_event_subject("orders@v1", "Orders.Created", &["o-1"]),
+///     "events.v1.b3JkZXJzQHYx.Orders.Created.by0x"
+/// );
+/// ```
+pub fn trellis_event_subject(api: &str, event: &str, params: &[&str]) -> String {
+    let mut subject = format!("events.v1.{}.{event}", URL_SAFE_NO_PAD.encode(api));
+    for param in params {
+        subject.push('.');
+        subject.push_str(&URL_SAFE_NO_PAD.encode(param));
+    }
+    subject
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

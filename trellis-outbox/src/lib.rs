@@ -50,6 +50,7 @@
 //! | `nats`     | yes     | [`JetStreamPublisher`], job dispatch ([`JobDispatcher`]), NATS header helpers |
 //! | `macros`   | yes     | `#[derive(OutboxEvent)]` and `#[outbox_job]` |
 //! | `cli`      | no      | the `trellis-outbox` command-line tool |
+//! | `trellis-participant` | no | `TrellisParticipantPublisher`: event rows signed at dispatch by a Trellis participant (`trellis-rs`) |
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs, clippy::unwrap_used)]
@@ -72,6 +73,8 @@ mod migrate;
 #[cfg(feature = "nats")]
 mod nats;
 mod outbox;
+#[cfg(feature = "trellis-participant")]
+mod participant;
 mod postgres;
 mod record;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
@@ -85,7 +88,9 @@ mod tables;
 mod time;
 mod wire;
 
-pub use crate::descriptor::{TRELLIS_EVENT_DESCRIPTOR, event_descriptor_identity};
+pub use crate::descriptor::{
+    TRELLIS_EVENT_DESCRIPTOR, event_descriptor_identity, trellis_event_subject,
+};
 pub use crate::dispatch::{
     BoxError, Claim, DispatchError, DispatchOptions, DispatchReport, Dispatched, DispatcherBuilder,
     DispatcherHandle, Disposition, ErrorCallback, Failure, FailureOutcome, MAX_RETRY_DELAY,
@@ -108,6 +113,11 @@ pub use crate::nats::{
     StreamCheckError,
 };
 pub use crate::outbox::{Outbox, OutboxTransactionExt};
+#[cfg(feature = "trellis-participant")]
+pub use crate::participant::{
+    DEFAULT_PARTICIPANT_PUBLISH_TIMEOUT, DEFAULT_PARTICIPANT_WINDOW, ParticipantError,
+    TrellisParticipantPublisher, prepared_event,
+};
 #[cfg(feature = "postgres")]
 pub use crate::postgres::{PgOutboxRepository, PgWakeups};
 pub use crate::record::{
