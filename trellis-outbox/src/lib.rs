@@ -63,6 +63,8 @@ extern crate self as trellis_outbox;
 mod chain;
 #[cfg(feature = "cli")]
 pub mod cli;
+#[cfg(feature = "nats")]
+mod consumer;
 mod descriptor;
 mod dispatch;
 mod driver;
@@ -88,6 +90,13 @@ mod tables;
 mod time;
 mod wire;
 
+#[cfg(feature = "nats")]
+pub use crate::consumer::{
+    ConsumeFailure, Consumer, ConsumerBuilder, ConsumerError, ConsumerHandle, ConsumerReport,
+    DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECT_PREFIX, DEFAULT_ACK_WAIT, DEFAULT_CONSUMER_CONCURRENCY,
+    DEFAULT_MAX_DELIVERIES, Delivered, FailureAction, FailureKind, Handler, HandlerError,
+    HandlerFn, dead_letter_headers, handler_fn,
+};
 pub use crate::descriptor::{
     TRELLIS_EVENT_DESCRIPTOR, event_descriptor_identity, trellis_event_subject,
 };

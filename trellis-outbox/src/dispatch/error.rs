@@ -210,7 +210,7 @@ pub(super) fn report_error(
     }
 }
 
-pub(super) fn panic_message(panic: &(dyn Any + Send)) -> String {
+pub(crate) fn panic_message(panic: &(dyn Any + Send)) -> String {
     if let Some(s) = panic.downcast_ref::<&str>() {
         (*s).to_owned()
     } else if let Some(s) = panic.downcast_ref::<String>() {

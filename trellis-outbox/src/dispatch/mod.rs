@@ -20,6 +20,7 @@ mod worker;
 
 pub use dispatcher::{DispatcherBuilder, DispatcherHandle, OutboxDispatcher};
 pub use engine::dispatch_outbox;
+pub(crate) use error::panic_message;
 pub use error::{DispatchError, Disposition, ErrorCallback};
 pub use memory::MemoryOutboxRepository;
 pub use options::{DispatchOptions, DispatchReport};

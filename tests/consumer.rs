@@ -1,0 +1,768 @@
+//! `Consumer` (issue #13) against real Postgres, SQLite and NATS: every business effect
+//! exactly once under duplicate publishes, failed deliveries and redeliveries racing a slow
+//! handler across several consumers; follow-up events enqueued once; poison messages and
+//! exhausted deliveries dead-lettered; graceful shutdown.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::Context;
+use async_nats::jetstream::consumer::pull::Config as PullConfig;
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy};
+use async_nats::jetstream::stream::Config;
+use futures::StreamExt as _;
+use serde::{Deserialize, Serialize};
+use sqlx::{Postgres, Sqlite, Transaction};
+use trellis_outbox::{
+    ConsumeFailure, Consumer, ConsumerError, ConsumerHandle, DEAD_LETTER_STREAM,
+    DEAD_LETTER_SUBJECT_PREFIX, Delivered, FailureAction, FailureKind, HandlerError, OutboxEvent,
+    OutboxTransactionExt, PreparedOutboxRecord, RetryPolicy, dead_letter_headers, handler_fn,
+    migrate,
+};
+use trellis_outbox_tests::nats::{TestStream, jetstream};
+use trellis_outbox_tests::{TestPg, TestSqlite};
+
+#[derive(Debug, Clone, Serialize, Deserialize, OutboxEvent)]
+#[outbox(name = "Orders.Shipped", subject = "tconsumer.orders.shipped.{order}")]
+struct Shipped {
+    order: String,
+    n: u64,
+}
+
+/// A quick, fixed redelivery delay.
+fn quick_retry() -> RetryPolicy {
+    RetryPolicy::fixed(Duration::from_millis(50))
+}
+
+/// A durable pull consumer on `stream` with explicit acks.
+async fn durable(stream: &TestStream, name: &str, ack_wait: Duration, max_deliver: i64) {
+    stream
+        .context
+        .get_stream(&stream.name)
+        .await
+        .unwrap()
+        .create_consumer(PullConfig {
+            durable_name: Some(name.to_owned()),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait,
+            max_deliver,
+            ..PullConfig::default()
+        })
+        .await
+        .unwrap();
+}
+
+async fn publish(js: &Context, subject: String, id: Option<&str>, payload: Vec<u8>) {
+    let mut headers = HeaderMap::new();
+    if let Some(id) = id {
+        headers.insert("Nats-Msg-Id", id);
+    }
+    headers.insert("Trellis-Event-Time", "2026-12-03T10:00:00.000Z");
+    js.publish_with_headers(subject, headers, payload.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+}
+
+fn shipped(n: u64) -> Vec<u8> {
+    serde_json::to_vec(&Shipped {
+        order: format!("o-{n}"),
+        n,
+    })
+    .unwrap()
+}
+
+/// Waits until `done` holds, or panics after `within` with `what`.
+async fn eventually<F, Fut>(within: Duration, what: &str, mut done: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !done().await {
+        assert!(start.elapsed() < within, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The consumer's unacknowledged and undelivered message counts.
+async fn pending(stream: &TestStream, consumer: &str) -> (u64, usize) {
+    let stream = stream.context.get_stream(&stream.name).await.unwrap();
+    let info = stream.consumer_info(consumer).await.unwrap();
+    (info.num_pending, info.num_ack_pending)
+}
+
+/// A dead-letter copy.
+struct DeadLetter {
+    headers: HeaderMap,
+    payload: bytes::Bytes,
+}
+
+/// Every dead-letter copy of `consumer`.
+async fn dead_letters(js: &Context, consumer: &str) -> Vec<DeadLetter> {
+    let stream = js.get_stream(DEAD_LETTER_STREAM).await.unwrap();
+    let subject = format!("{DEAD_LETTER_SUBJECT_PREFIX}.{consumer}");
+    let reader = stream
+        .create_consumer(PullConfig {
+            filter_subject: subject,
+            deliver_policy: DeliverPolicy::All,
+            ack_policy: AckPolicy::None,
+            ..PullConfig::default()
+        })
+        .await
+        .unwrap();
+    let mut batch = reader
+        .fetch()
+        .max_messages(1000)
+        .expires(Duration::from_millis(500))
+        .messages()
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    while let Some(message) = batch.next().await {
+        let message = message.unwrap();
+        out.push(DeadLetter {
+            headers: message.headers.clone().unwrap_or_default(),
+            payload: message.payload.clone(),
+        });
+    }
+    out
+}
+
+async fn purge_dead_letters(js: &Context, consumer: &str) {
+    if let Ok(stream) = js.get_stream(DEAD_LETTER_STREAM).await {
+        let _ = stream
+            .purge()
+            .filter(format!("{DEAD_LETTER_SUBJECT_PREFIX}.{consumer}"))
+            .await;
+    }
+}
+
+fn header<'a>(message: &'a DeadLetter, name: &str) -> Option<&'a str> {
+    message.headers.get(name).map(|v| v.as_str())
+}
+
+fn consumer_name() -> String {
+    format!("c{}", ulid::Ulid::generate().to_string().to_lowercase())
+}
+
+/// Failures reported to `on_error`.
+type Failures = Arc<Mutex<Vec<ConsumeFailure>>>;
+
+/// Which deliveries misbehave in the exactly-once runs: a tenth of the events fail their
+/// first delivery; one in fifty is slow on its first delivery (longer than the ack wait, and
+/// keep-alive is off), so the server redelivers it to another consumer while it runs.
+fn fails_first(n: u64) -> bool {
+    n % 10 == 3
+}
+fn slow_first(n: u64) -> bool {
+    n % 50 == 7
+}
+
+macro_rules! effects_handler {
+    ($db:ty, $insert:literal) => {
+        handler_fn(|tx: &mut Transaction<'static, $db>, d: Delivered<Shipped>| {
+            Box::pin(async move {
+                if d.delivery == 1 && fails_first(d.event.n) {
+                    return Err(HandlerError::retryable("first delivery fails"));
+                }
+                if d.delivery == 1 && slow_first(d.event.n) {
+                    tokio::time::sleep(Duration::from_millis(1500)).await;
+                }
+                sqlx::query($insert)
+                    .bind(&d.id)
+                    .bind(i64::try_from(d.event.n).unwrap())
+                    .execute(&mut **tx)
+                    .await?;
+                // A follow-up event with a fresh id: applying twice would leave two.
+                let follow_up = PreparedOutboxRecord::event(
+                    "Orders.Billed",
+                    format!("tconsumer.orders.billed.{}", d.event.order),
+                    &serde_json::json!({ "of": d.id }),
+                )?;
+                tx.enqueue(&follow_up).await?;
+                Ok(())
+            })
+        })
+    };
+}
+
+/// Publishes `events` events, then `duplicates` of them again (after the stream's
+/// duplicate window, so they are stored and delivered twice).
+async fn publish_with_duplicates(stream: &TestStream, events: u64, duplicates: u64) {
+    let js = &stream.context;
+    for n in 0..events {
+        let id = format!("evt-{n:05}");
+        publish(
+            js,
+            stream.subject(&format!("shipped.o{n}")),
+            Some(&id),
+            shipped(n),
+        )
+        .await;
+    }
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    for n in (0..events)
+        .step_by((events / duplicates.max(1)).max(1) as usize)
+        .take(duplicates as usize)
+    {
+        let id = format!("evt-{n:05}");
+        publish(
+            js,
+            stream.subject(&format!("shipped.o{n}")),
+            Some(&id),
+            shipped(n),
+        )
+        .await;
+    }
+}
+
+async fn dedupe_stream(js: &Context) -> TestStream {
+    TestStream::create(js, |token| Config {
+        subjects: vec![format!("{token}.>")],
+        duplicate_window: Duration::from_millis(500),
+        ..Config::default()
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_exactly_once_across_four_consumers() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    sqlx::query("CREATE TABLE effects (event_id text NOT NULL, n bigint NOT NULL)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let js = jetstream().await;
+    let stream = dedupe_stream(&js).await;
+    let name = consumer_name();
+    durable(&stream, &name, Duration::from_secs(1), 10).await;
+    let (events, duplicates) = (1000u64, 300u64);
+    let pool = db.pool.clone();
+    let body_stream = stream.clone();
+    stream
+        .run(async move {
+            let stream = body_stream;
+            let mut consumers: Vec<ConsumerHandle> = Vec::new();
+            for _ in 0..4 {
+                consumers.push(
+                    Consumer::builder(
+                        stream.context.clone(),
+                        pool.clone(),
+                        effects_handler!(
+                            Postgres,
+                            "INSERT INTO effects (event_id, n) VALUES ($1, $2)"
+                        ),
+                    )
+                    .bind(&stream.name, &name)
+                    .concurrency(8)
+                    .retry_policy(quick_retry())
+                    .keep_alive(false)
+                    .start()
+                    .await
+                    .unwrap(),
+                );
+            }
+            publish_with_duplicates(&stream, events, duplicates).await;
+            assert_eq!(
+                stream.count().await,
+                events + duplicates,
+                "duplicates were stored"
+            );
+            eventually(
+                Duration::from_secs(90),
+                "every message to be acknowledged",
+                || async { pending(&stream, &name).await == (0, 0) },
+            )
+            .await;
+            let mut total = trellis_outbox::ConsumerReport::default();
+            for consumer in consumers {
+                let report = consumer.shutdown().await.unwrap();
+                total.applied += report.applied;
+                total.duplicates += report.duplicates;
+                total.redelivered += report.redelivered;
+                total.dead_lettered += report.dead_lettered;
+            }
+            let (rows, distinct): (i64, i64) =
+                sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM effects")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            assert_eq!(
+                (rows, distinct),
+                (events as i64, events as i64),
+                "each effect once"
+            );
+            let follow_ups: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+            assert_eq!(follow_ups, events as i64, "each follow-up event once");
+            assert_eq!(total.applied, events);
+            assert!(total.duplicates >= duplicates, "{total:?}");
+            assert!(total.redelivered >= events / 10, "{total:?}");
+            assert_eq!(total.dead_lettered, 0, "{total:?}");
+        })
+        .await;
+    db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_exactly_once_across_two_consumers() {
+    let db = TestSqlite::new().await;
+    migrate(&db.pool).await.unwrap();
+    sqlx::query("CREATE TABLE effects (event_id TEXT NOT NULL, n INTEGER NOT NULL)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let js = jetstream().await;
+    let stream = dedupe_stream(&js).await;
+    let name = consumer_name();
+    durable(&stream, &name, Duration::from_secs(1), 10).await;
+    let (events, duplicates) = (300u64, 90u64);
+    let pool = db.pool.clone();
+    let body_stream = stream.clone();
+    stream
+        .run(async move {
+            let stream = body_stream;
+            let mut consumers = Vec::new();
+            for _ in 0..2 {
+                consumers.push(
+                    Consumer::builder(
+                        stream.context.clone(),
+                        pool.clone(),
+                        effects_handler!(Sqlite, "INSERT INTO effects (event_id, n) VALUES (?, ?)"),
+                    )
+                    .bind(&stream.name, &name)
+                    .concurrency(4)
+                    .retry_policy(quick_retry())
+                    .keep_alive(false)
+                    .start()
+                    .await
+                    .unwrap(),
+                );
+            }
+            publish_with_duplicates(&stream, events, duplicates).await;
+            eventually(
+                Duration::from_secs(90),
+                "every message to be acknowledged",
+                || async { pending(&stream, &name).await == (0, 0) },
+            )
+            .await;
+            let mut applied = 0;
+            for consumer in consumers {
+                applied += consumer.shutdown().await.unwrap().applied;
+            }
+            let (rows, distinct): (i64, i64) =
+                sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM effects")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            assert_eq!(
+                (rows, distinct),
+                (events as i64, events as i64),
+                "each effect once"
+            );
+            let follow_ups: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+            assert_eq!(follow_ups, events as i64, "each follow-up event once");
+            assert_eq!(applied, events);
+        })
+        .await;
+}
+
+/// A consumer on a fresh stream and durable (ack wait 2 s, `max_deliver` 10) over SQLite,
+/// with a handler that records each delivery of each id and fails as `fail` says.
+struct Harness {
+    stream: TestStream,
+    name: String,
+    db: TestSqlite,
+    failures: Failures,
+    deliveries: Arc<Mutex<HashMap<String, Vec<u64>>>>,
+}
+
+impl Harness {
+    async fn new() -> Self {
+        let db = TestSqlite::new().await;
+        migrate(&db.pool).await.unwrap();
+        sqlx::query("CREATE TABLE effects (event_id TEXT NOT NULL)")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        let js = jetstream().await;
+        let stream = TestStream::events(&js).await;
+        let name = consumer_name();
+        durable(&stream, &name, Duration::from_secs(2), 10).await;
+        Self {
+            stream,
+            name,
+            db,
+            failures: Arc::default(),
+            deliveries: Arc::default(),
+        }
+    }
+
+    /// Starts a consumer whose handler fails with `fail(id, delivery)` when it returns one.
+    async fn start(
+        &self,
+        max_deliveries: Option<u32>,
+        fail: fn(&str, u64) -> Option<HandlerError>,
+    ) -> ConsumerHandle {
+        let deliveries = self.deliveries.clone();
+        let failures = self.failures.clone();
+        let mut builder = Consumer::builder(
+            self.stream.context.clone(),
+            self.db.pool.clone(),
+            handler_fn(
+                move |tx: &mut Transaction<'static, Sqlite>, d: Delivered<Shipped>| {
+                    let deliveries = deliveries.clone();
+                    Box::pin(async move {
+                        deliveries
+                            .lock()
+                            .unwrap()
+                            .entry(d.id.clone())
+                            .or_default()
+                            .push(d.delivery);
+                        sqlx::query("INSERT INTO effects (event_id) VALUES (?)")
+                            .bind(&d.id)
+                            .execute(&mut **tx)
+                            .await?;
+                        match fail(&d.id, d.delivery) {
+                            Some(err) => Err(err),
+                            None => Ok(()),
+                        }
+                    })
+                },
+            ),
+        )
+        .bind(&self.stream.name, &self.name)
+        .retry_policy(quick_retry())
+        .on_error(move |f| failures.lock().unwrap().push(f.clone()));
+        if let Some(max) = max_deliveries {
+            builder = builder.max_deliveries(max);
+        }
+        builder.start().await.unwrap()
+    }
+
+    async fn effects(&self, id: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM effects WHERE event_id = ?")
+            .bind(id)
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn settled(&self) {
+        eventually(
+            Duration::from_secs(30),
+            "every message to be settled",
+            || async { pending(&self.stream, &self.name).await == (0, 0) },
+        )
+        .await;
+    }
+
+    async fn end(self) {
+        purge_dead_letters(&self.stream.context, &self.name).await;
+        self.stream.delete().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_failing_twice_then_succeeding_applies_once() {
+    let h = Harness::new().await;
+    let consumer = h
+        .start(None, |_, delivery| {
+            (delivery <= 2).then(|| HandlerError::retryable(format!("attempt {delivery} fails")))
+        })
+        .await;
+    publish(
+        &h.stream.context,
+        h.stream.subject("shipped.o1"),
+        Some("evt-1"),
+        shipped(1),
+    )
+    .await;
+    h.settled().await;
+    let report = consumer.shutdown().await.unwrap();
+    assert_eq!(h.deliveries.lock().unwrap()["evt-1"], vec![1, 2, 3]);
+    assert_eq!(
+        h.effects("evt-1").await,
+        1,
+        "rolled back twice, committed once"
+    );
+    assert_eq!(
+        (report.applied, report.redelivered, report.dead_lettered),
+        (1, 2, 0)
+    );
+    let failures = h.failures.lock().unwrap().clone();
+    assert_eq!(failures.len(), 2);
+    assert!(failures.iter().all(|f| f.kind == FailureKind::Handler
+        && f.id.as_deref() == Some("evt-1")
+        && matches!(f.action, FailureAction::Redeliver { .. })
+        && f.error.contains("fails")));
+    h.end().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_messages_are_dead_lettered_and_the_consumer_keeps_going() {
+    let h = Harness::new().await;
+    let consumer = h.start(None, |_, _| None).await;
+    let js = h.stream.context.clone();
+    publish(
+        &js,
+        h.stream.subject("shipped.bad"),
+        Some("evt-bad"),
+        b"{not json".to_vec(),
+    )
+    .await;
+    publish(&js, h.stream.subject("shipped.noid"), None, shipped(2)).await;
+    publish(
+        &js,
+        h.stream.subject("shipped.o3"),
+        Some("evt-3"),
+        shipped(3),
+    )
+    .await;
+    h.settled().await;
+    let report = consumer.shutdown().await.unwrap();
+    assert_eq!(
+        h.effects("evt-3").await,
+        1,
+        "the good message after the poison is applied"
+    );
+    assert_eq!(
+        (report.applied, report.dead_lettered, report.redelivered),
+        (1, 2, 0)
+    );
+    assert!(
+        h.deliveries.lock().unwrap().get("evt-bad").is_none(),
+        "never handled"
+    );
+
+    let copies = dead_letters(&js, &h.name).await;
+    assert_eq!(copies.len(), 2, "one dead-letter copy each");
+    let bad = copies
+        .iter()
+        .find(|m| header(m, dead_letter_headers::MESSAGE_ID) == Some("evt-bad"))
+        .unwrap();
+    assert_eq!(header(bad, dead_letter_headers::KIND), Some("Undecodable"));
+    assert!(
+        header(bad, dead_letter_headers::ERROR)
+            .unwrap()
+            .contains("payload is not a valid")
+    );
+    assert_eq!(
+        header(bad, dead_letter_headers::SUBJECT),
+        Some(h.stream.subject("shipped.bad").as_str())
+    );
+    assert_eq!(
+        &bad.payload[..],
+        b"{not json",
+        "the payload is kept for replay"
+    );
+    let no_id = copies
+        .iter()
+        .find(|m| header(m, dead_letter_headers::KIND) == Some("MissingId"))
+        .unwrap();
+    assert!(
+        header(no_id, dead_letter_headers::ERROR)
+            .unwrap()
+            .contains("Nats-Msg-Id")
+    );
+    assert_eq!(
+        header(no_id, "Trellis-Event-Time"),
+        Some("2026-12-03T10:00:00.000Z")
+    );
+    let failures = h.failures.lock().unwrap().clone();
+    assert_eq!(failures.len(), 2);
+    assert!(
+        failures
+            .iter()
+            .all(|f| f.action == FailureAction::DeadLettered)
+    );
+    h.end().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_delivery_dead_letters_and_a_permanent_error_at_once() {
+    let h = Harness::new().await;
+    let consumer = h
+        .start(Some(3), |id, _| {
+            Some(if id == "evt-perm" {
+                HandlerError::permanent("order o-9 does not exist")
+            } else {
+                HandlerError::retryable("billing is down")
+            })
+        })
+        .await;
+    let js = h.stream.context.clone();
+    publish(
+        &js,
+        h.stream.subject("shipped.o8"),
+        Some("evt-down"),
+        shipped(8),
+    )
+    .await;
+    publish(
+        &js,
+        h.stream.subject("shipped.o9"),
+        Some("evt-perm"),
+        shipped(9),
+    )
+    .await;
+    h.settled().await;
+    let report = consumer.shutdown().await.unwrap();
+    let deliveries = h.deliveries.lock().unwrap().clone();
+    assert_eq!(deliveries["evt-down"], vec![1, 2, 3], "max_deliveries(3)");
+    assert_eq!(
+        deliveries["evt-perm"],
+        vec![1],
+        "a permanent error is not retried"
+    );
+    assert_eq!(
+        h.effects("evt-down").await + h.effects("evt-perm").await,
+        0,
+        "rolled back"
+    );
+    assert_eq!(
+        (report.applied, report.dead_lettered, report.redelivered),
+        (0, 2, 2)
+    );
+    let copies = dead_letters(&js, &h.name).await;
+    assert_eq!(copies.len(), 2);
+    let down = copies
+        .iter()
+        .find(|m| header(m, dead_letter_headers::MESSAGE_ID) == Some("evt-down"))
+        .unwrap();
+    assert_eq!(header(down, dead_letter_headers::DELIVERIES), Some("3"));
+    assert_eq!(header(down, dead_letter_headers::KIND), Some("Handler"));
+    assert_eq!(
+        header(down, dead_letter_headers::ERROR),
+        Some("billing is down")
+    );
+    assert_eq!(
+        header(down, dead_letter_headers::CONSUMER),
+        Some(h.name.as_str())
+    );
+    let perm = copies
+        .iter()
+        .find(|m| header(m, dead_letter_headers::MESSAGE_ID) == Some("evt-perm"))
+        .unwrap();
+    assert_eq!(header(perm, dead_letter_headers::DELIVERIES), Some("1"));
+    h.end().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_finishes_the_messages_in_hand() {
+    let h = Harness::new().await;
+    let consumer = h
+        .start(None, |_, _| {
+            // Slow, not failing: the handler is still running when shutdown is asked for.
+            std::thread::sleep(Duration::from_millis(400));
+            None
+        })
+        .await;
+    publish(
+        &h.stream.context,
+        h.stream.subject("shipped.o5"),
+        Some("evt-5"),
+        shipped(5),
+    )
+    .await;
+    eventually(Duration::from_secs(10), "the handler to start", || async {
+        h.deliveries.lock().unwrap().contains_key("evt-5")
+    })
+    .await;
+    let report = consumer.shutdown().await.unwrap();
+    assert_eq!(report.applied, 1, "the message in hand was finished");
+    assert_eq!(h.effects("evt-5").await, 1);
+    h.settled().await;
+    h.end().await;
+}
+
+#[tokio::test]
+async fn create_builds_the_stream_from_the_subject_template_and_bad_options_are_refused() {
+    let db = TestSqlite::new().await;
+    migrate(&db.pool).await.unwrap();
+    let js = jetstream().await;
+    let stream_name = format!("TRELLIS_T_{}", ulid::Ulid::generate());
+    let noop = || {
+        handler_fn(
+            |_: &mut Transaction<'static, Sqlite>, _: Delivered<Shipped>| {
+                Box::pin(async { Ok(()) })
+            },
+        )
+    };
+    let consumer = Consumer::builder(js.clone(), db.pool.clone(), noop())
+        .create(&stream_name, "billing")
+        .max_deliveries(4)
+        .start()
+        .await
+        .unwrap();
+    let mut stream = js.get_stream(&stream_name).await.unwrap();
+    let info = stream.info().await.unwrap().clone();
+    assert_eq!(
+        info.config.subjects,
+        vec![Shipped::SUBJECT_TEMPLATE.replace("{order}", "*")]
+    );
+    let consumer_info = stream.consumer_info("billing").await.unwrap();
+    assert_eq!(consumer_info.config.max_deliver, 4);
+    assert_eq!(consumer_info.config.ack_policy, AckPolicy::Explicit);
+    consumer.shutdown().await.unwrap();
+
+    // More deliveries than the server's max_deliver, no consumer named, no concurrency.
+    let refused = |result: Result<ConsumerHandle, ConsumerError>, option: &str| match result {
+        Err(ConsumerError::InvalidOptions {
+            option: got,
+            problem,
+        }) => {
+            assert_eq!(got, option, "{problem}");
+        }
+        Err(other) => panic!("expected InvalidOptions({option}), got {other}"),
+        Ok(_) => panic!("expected InvalidOptions({option})"),
+    };
+    refused(
+        Consumer::builder(js.clone(), db.pool.clone(), noop())
+            .bind(&stream_name, "billing")
+            .max_deliveries(5)
+            .start()
+            .await,
+        "max_deliveries",
+    );
+    refused(
+        Consumer::builder(js.clone(), db.pool.clone(), noop())
+            .start()
+            .await,
+        "bind/create",
+    );
+    refused(
+        Consumer::builder(js.clone(), db.pool.clone(), noop())
+            .bind(&stream_name, "billing")
+            .concurrency(0)
+            .start()
+            .await,
+        "concurrency",
+    );
+    match Consumer::builder(js.clone(), db.pool.clone(), noop())
+        .bind(&stream_name, "nobody")
+        .start()
+        .await
+    {
+        Err(err @ ConsumerError::Consumer { .. }) => {
+            assert!(err.to_string().contains("nobody"), "{err}");
+        }
+        other => panic!(
+            "expected ConsumerError::Consumer, got {:?}",
+            other.map(|_| ())
+        ),
+    }
+    let _ = js.delete_stream(&stream_name).await;
+}

@@ -1,0 +1,441 @@
+//! Options of a [`Consumer`], binding or creating its JetStream consumer, and starting it.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::Context;
+use async_nats::jetstream::consumer::pull::Config as PullConfig;
+use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
+use async_nats::jetstream::stream::Config as StreamConfig;
+use serde::de::DeserializeOwned;
+use sqlx::Pool;
+use tokio_util::sync::CancellationToken;
+
+use super::error::{ConsumeFailure, ConsumerError};
+use super::run::{self, Shared, Stats};
+use super::{ConsumerHandle, Handler};
+use crate::dispatch::RetryPolicy;
+use crate::driver::OutboxDatabase;
+use crate::event::OutboxEvent;
+use crate::outbox::Outbox;
+
+/// How many messages a consumer applies at once, by default.
+pub const DEFAULT_CONSUMER_CONCURRENCY: usize = 16;
+/// How many deliveries a message gets before it is dead-lettered, by default, when the
+/// JetStream consumer itself sets no limit.
+pub const DEFAULT_MAX_DELIVERIES: u32 = 5;
+/// The ack wait of consumers created by [`ConsumerBuilder::create`], by default.
+pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
+/// The stream dead letters go to (upstream Trellis' convention).
+pub const DEAD_LETTER_STREAM: &str = "trellis_consumer_dlq";
+/// The prefix of dead-letter subjects: `_trellis.consumer.dlq.<consumer>`.
+pub const DEAD_LETTER_SUBJECT_PREFIX: &str = "_trellis.consumer.dlq";
+
+/// The most messages one consumer applies at once.
+const MAX_CONCURRENCY: usize = 10_000;
+
+pub(crate) type OnFailure = Arc<dyn Fn(&ConsumeFailure) + Send + Sync>;
+
+/// Consumes events from JetStream exactly once into a database, with the inbox.
+///
+/// For each message: begin a transaction, record the message id in the inbox, run the
+/// [`Handler`] (which writes the effects and may enqueue follow-up events in the same
+/// transaction), commit, then acknowledge. A message whose id is already in the inbox is
+/// acknowledged without running the handler. A handler error rolls everything back and asks
+/// for a redelivery after a backoff; at the last delivery (or for a
+/// [`HandlerError::permanent`](super::HandlerError::permanent) error) the message is copied to
+/// the dead-letter subject `_trellis.consumer.dlq.<consumer>` (stream `trellis_consumer_dlq`)
+/// with the error in a header, and terminated. A message without an id or whose payload is not
+/// `E` is dead-lettered at once.
+///
+/// # Examples
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool, nats: async_nats::Client) -> Result<(), Box<dyn std::error::Error>> {
+/// use trellis_outbox::{Consumer, Delivered, OutboxEvent, OutboxTransactionExt, handler_fn};
+///
+/// #[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
+/// #[outbox(name = "Orders.Shipped", subject = "events.v1.Orders.Shipped.{order_id}")]
+/// struct OrderShipped { order_id: String }
+///
+/// let consumer = Consumer::builder(
+///     async_nats::jetstream::new(nats),
+///     pool,
+///     handler_fn(|tx: &mut sqlx::Transaction<'static, sqlx::Postgres>, shipped: Delivered<OrderShipped>| {
+///         Box::pin(async move {
+///             sqlx::query("INSERT INTO shipments (order_id) VALUES ($1)")
+///                 .bind(&shipped.event.order_id)
+///                 .execute(&mut **tx)
+///                 .await?;
+///             Ok(())
+///         })
+///     }),
+/// )
+/// .create("ORDERS", "billing") // the stream over `events.v1.Orders.Shipped.*` and a durable consumer
+/// .concurrency(32)
+/// .start()
+/// .await?;
+/// // … on shutdown: stop pulling, finish the messages in hand.
+/// let report = consumer.shutdown().await?;
+/// # let _ = report; Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct Consumer {
+    _private: (),
+}
+
+impl Consumer {
+    /// Starts building a consumer that applies messages with `handler` in transactions on
+    /// `pool`. Say which JetStream consumer with [`bind`](ConsumerBuilder::bind) or
+    /// [`create`](ConsumerBuilder::create).
+    pub fn builder<DB, E, H>(
+        jetstream: Context,
+        pool: Pool<DB>,
+        handler: H,
+    ) -> ConsumerBuilder<DB, E, H>
+    where
+        DB: OutboxDatabase,
+        E: DeserializeOwned + Send + 'static,
+        H: Handler<DB, E>,
+    {
+        ConsumerBuilder {
+            jetstream,
+            pool,
+            handler,
+            outbox: Outbox::default(),
+            target: None,
+            concurrency: DEFAULT_CONSUMER_CONCURRENCY,
+            max_deliveries: None,
+            ack_wait: DEFAULT_ACK_WAIT,
+            retry: RetryPolicy::new(),
+            dead_letters: true,
+            keep_alive: true,
+            on_failure: None,
+            _event: PhantomData,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Target {
+    stream: String,
+    consumer: String,
+    /// The filter subject to create the stream and consumer with; `None` binds existing ones.
+    create: Option<String>,
+}
+
+/// Options of a [`Consumer`]; made by [`Consumer::builder`].
+pub struct ConsumerBuilder<DB: OutboxDatabase, E, H> {
+    jetstream: Context,
+    pool: Pool<DB>,
+    handler: H,
+    outbox: Outbox,
+    target: Option<Target>,
+    concurrency: usize,
+    max_deliveries: Option<u32>,
+    ack_wait: Duration,
+    retry: RetryPolicy,
+    dead_letters: bool,
+    keep_alive: bool,
+    on_failure: Option<OnFailure>,
+    _event: PhantomData<fn() -> E>,
+}
+
+impl<DB: OutboxDatabase, E, H> fmt::Debug for ConsumerBuilder<DB, E, H> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConsumerBuilder")
+            .field("target", &self.target)
+            .field("concurrency", &self.concurrency)
+            .field("max_deliveries", &self.max_deliveries)
+            .field("ack_wait", &self.ack_wait)
+            .field("retry", &self.retry)
+            .field("dead_letters", &self.dead_letters)
+            .field("keep_alive", &self.keep_alive)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB, E, H> ConsumerBuilder<DB, E, H>
+where
+    DB: OutboxDatabase,
+    E: OutboxEvent + DeserializeOwned + Send + 'static,
+    H: Handler<DB, E>,
+{
+    /// Creates, if they do not exist, the stream `stream` over the event's subjects (its
+    /// subject template with `*` for each placeholder) and the durable pull consumer
+    /// `consumer` on them (explicit ack, the [`ack_wait`](Self::ack_wait) and
+    /// [`max_deliveries`](Self::max_deliveries) of this builder).
+    pub fn create(mut self, stream: impl Into<String>, consumer: impl Into<String>) -> Self {
+        self.target = Some(Target {
+            stream: stream.into(),
+            consumer: consumer.into(),
+            create: Some(subject_filter(E::SUBJECT_TEMPLATE)),
+        });
+        self
+    }
+}
+
+/// The subjects of a template: each `{placeholder}` token becomes `*`.
+fn subject_filter(template: &str) -> String {
+    template
+        .split('.')
+        .map(|token| {
+            if token.starts_with('{') && token.ends_with('}') {
+                "*"
+            } else {
+                token
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+impl<DB, E, H> ConsumerBuilder<DB, E, H>
+where
+    DB: OutboxDatabase,
+    E: DeserializeOwned + Send + 'static,
+    H: Handler<DB, E>,
+{
+    /// Consumes through the existing durable pull consumer `consumer` of stream `stream`
+    /// (it must use explicit acks).
+    pub fn bind(mut self, stream: impl Into<String>, consumer: impl Into<String>) -> Self {
+        self.target = Some(Target {
+            stream: stream.into(),
+            consumer: consumer.into(),
+            create: None,
+        });
+        self
+    }
+
+    /// The outbox whose inbox table records message ids (default: the `trellis_inbox` table).
+    pub fn outbox(mut self, outbox: Outbox) -> Self {
+        self.outbox = outbox;
+        self
+    }
+
+    /// How many messages are applied at once (default [`DEFAULT_CONSUMER_CONCURRENCY`],
+    /// 1 to 10,000). Each holds a database connection while it runs.
+    pub fn concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = concurrency;
+        self
+    }
+
+    /// How many deliveries a message gets before it is dead-lettered. Default: the JetStream
+    /// consumer's `max_deliver`, or [`DEFAULT_MAX_DELIVERIES`] when it sets none; more than
+    /// the consumer's `max_deliver` is refused (the server would stop delivering first).
+    pub fn max_deliveries(mut self, deliveries: u32) -> Self {
+        self.max_deliveries = Some(deliveries);
+        self
+    }
+
+    /// The ack wait of a consumer this builder [`create`](Self::create)s (default
+    /// [`DEFAULT_ACK_WAIT`]). A bound consumer keeps its own.
+    pub fn ack_wait(mut self, ack_wait: Duration) -> Self {
+        self.ack_wait = ack_wait;
+        self
+    }
+
+    /// The delays before redeliveries after failures: delivery `n` failing waits
+    /// `policy.delay(n)` (default [`RetryPolicy::new`]: 1 s doubling to 5 min, ±20 %). Its
+    /// attempt limit is not used: [`max_deliveries`](Self::max_deliveries) is.
+    pub fn retry_policy(mut self, policy: RetryPolicy) -> Self {
+        self.retry = policy;
+        self
+    }
+
+    /// Whether failed messages are copied to `_trellis.consumer.dlq.<consumer>` before they
+    /// are terminated (default `true`; the stream `trellis_consumer_dlq` is created at start
+    /// if missing). Off, they are only reported and terminated.
+    pub fn dead_letters(mut self, enabled: bool) -> Self {
+        self.dead_letters = enabled;
+        self
+    }
+
+    /// Whether a handler that runs long tells JetStream it is still working (an in-progress
+    /// ack every half ack wait), so the message is not redelivered meanwhile (default
+    /// `true`). A redelivery would find the inbox row once this one commits, so turning it off
+    /// costs work, not correctness.
+    pub fn keep_alive(mut self, enabled: bool) -> Self {
+        self.keep_alive = enabled;
+        self
+    }
+
+    /// Called with every message that failed (after it is logged with `tracing`).
+    pub fn on_error(mut self, f: impl Fn(&ConsumeFailure) + Send + Sync + 'static) -> Self {
+        self.on_failure = Some(Arc::new(f));
+        self
+    }
+
+    /// Binds or creates the JetStream consumer (and the dead-letter stream), then starts
+    /// consuming on a tokio task.
+    ///
+    /// # Errors
+    ///
+    /// [`ConsumerError::InvalidOptions`] for options out of range or no `bind`/`create`;
+    /// [`ConsumerError::Stream`] / [`ConsumerError::Consumer`] when JetStream cannot be
+    /// reached or refuses; [`ConsumerError::Unsuitable`] for a consumer without explicit acks.
+    pub async fn start(self) -> Result<ConsumerHandle, ConsumerError> {
+        let target = self.target.clone().ok_or(ConsumerError::InvalidOptions {
+            option: "bind/create",
+            problem: "say which JetStream consumer to use with `bind(stream, consumer)` or \
+                      `create(stream, consumer)`"
+                .into(),
+        })?;
+        if !(1..=MAX_CONCURRENCY).contains(&self.concurrency) {
+            return Err(ConsumerError::InvalidOptions {
+                option: "concurrency",
+                problem: format!("must be 1 to {MAX_CONCURRENCY}, got {}", self.concurrency),
+            });
+        }
+        if self.max_deliveries == Some(0) {
+            return Err(ConsumerError::InvalidOptions {
+                option: "max_deliveries",
+                problem: "must be at least 1".into(),
+            });
+        }
+        if self.ack_wait < Duration::from_millis(100) {
+            return Err(ConsumerError::InvalidOptions {
+                option: "ack_wait",
+                problem: format!("must be at least 100 ms, got {:?}", self.ack_wait),
+            });
+        }
+        self.retry
+            .validate()
+            .map_err(|err| ConsumerError::InvalidOptions {
+                option: "retry_policy",
+                problem: err.to_string(),
+            })?;
+        let consumer = self.consumer(&target).await?;
+        let config = &consumer.cached_info().config;
+        if config.ack_policy != AckPolicy::Explicit {
+            return Err(ConsumerError::Unsuitable {
+                stream: target.stream,
+                consumer: target.consumer,
+                problem: format!(
+                    "its ack policy is {:?}; it needs explicit acks",
+                    config.ack_policy
+                ),
+            });
+        }
+        let server_limit = u32::try_from(config.max_deliver).ok().filter(|n| *n > 0);
+        let max_deliveries = match (self.max_deliveries, server_limit) {
+            (Some(ours), Some(server)) if ours > server => {
+                return Err(ConsumerError::InvalidOptions {
+                    option: "max_deliveries",
+                    problem: format!(
+                        "{ours} is more than the JetStream consumer's max_deliver of {server}"
+                    ),
+                });
+            }
+            (Some(ours), _) => ours,
+            (None, Some(server)) => server,
+            (None, None) => DEFAULT_MAX_DELIVERIES,
+        };
+        let keep_alive = self
+            .keep_alive
+            .then(|| (config.ack_wait / 2).max(Duration::from_millis(50)));
+        let dead_letter_subject = if self.dead_letters {
+            self.dead_letter_stream().await?;
+            Some(format!("{DEAD_LETTER_SUBJECT_PREFIX}.{}", target.consumer))
+        } else {
+            None
+        };
+        let stats = Arc::new(Stats::default());
+        let shared = Arc::new(Shared {
+            pool: self.pool,
+            handler: self.handler,
+            outbox: self.outbox,
+            jetstream: self.jetstream,
+            consumer_name: target.consumer,
+            max_deliveries,
+            retry: self.retry,
+            dead_letter_subject,
+            keep_alive,
+            on_failure: self.on_failure,
+            stats: stats.clone(),
+            _event: PhantomData,
+        });
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(run::run(shared, consumer, self.concurrency, cancel.clone()));
+        Ok(ConsumerHandle::new(cancel, task, stats))
+    }
+
+    async fn consumer(&self, target: &Target) -> Result<PullConsumer, ConsumerError> {
+        let consumer_error = |source: async_nats::Error| ConsumerError::Consumer {
+            stream: target.stream.clone(),
+            consumer: target.consumer.clone(),
+            source,
+        };
+        let stream_error = |source: async_nats::Error| ConsumerError::Stream {
+            stream: target.stream.clone(),
+            source,
+        };
+        match &target.create {
+            None => self
+                .jetstream
+                .get_consumer_from_stream::<PullConfig, _, _>(&target.consumer, &target.stream)
+                .await
+                .map_err(|e| consumer_error(e.into())),
+            Some(filter) => {
+                let stream = self
+                    .jetstream
+                    .get_or_create_stream(StreamConfig {
+                        name: target.stream.clone(),
+                        subjects: vec![filter.clone()],
+                        ..StreamConfig::default()
+                    })
+                    .await
+                    .map_err(|e| stream_error(e.into()))?;
+                let max_deliver = self
+                    .max_deliveries
+                    .map_or(i64::from(DEFAULT_MAX_DELIVERIES), i64::from);
+                stream
+                    .get_or_create_consumer(
+                        &target.consumer,
+                        PullConfig {
+                            durable_name: Some(target.consumer.clone()),
+                            filter_subject: filter.clone(),
+                            ack_policy: AckPolicy::Explicit,
+                            ack_wait: self.ack_wait,
+                            max_deliver,
+                            ..PullConfig::default()
+                        },
+                    )
+                    .await
+                    .map_err(|e| consumer_error(e.into()))
+            }
+        }
+    }
+
+    async fn dead_letter_stream(&self) -> Result<(), ConsumerError> {
+        self.jetstream
+            .get_or_create_stream(StreamConfig {
+                name: DEAD_LETTER_STREAM.into(),
+                subjects: vec![format!("{DEAD_LETTER_SUBJECT_PREFIX}.>")],
+                ..StreamConfig::default()
+            })
+            .await
+            .map(|_| ())
+            .map_err(|e| ConsumerError::Stream {
+                stream: DEAD_LETTER_STREAM.into(),
+                source: e.into(),
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::subject_filter;
+
+    #[test]
+    fn placeholders_become_wildcards() {
+        assert_eq!(
+            subject_filter("events.v1.Orders.Shipped.{order_id}"),
+            "events.v1.Orders.Shipped.*"
+        );
+        assert_eq!(subject_filter("a.{x}.b.{y}"), "a.*.b.*");
+        assert_eq!(subject_filter("plain.subject"), "plain.subject");
+    }
+}

@@ -1,0 +1,520 @@
+//! The consuming task: pull, apply each message in its own transaction, acknowledge.
+
+use std::collections::BTreeMap;
+use std::marker::PhantomData;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::Context;
+use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::message::{AckKind, Message};
+use futures_util::{FutureExt as _, StreamExt as _};
+use serde::de::DeserializeOwned;
+use sqlx::Pool;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use super::error::{ConsumeFailure, ConsumerError, FailureAction, FailureKind};
+use super::{ConsumerReport, Delivered, Handler};
+use crate::dispatch::{RetryPolicy, panic_message};
+use crate::driver::OutboxDatabase;
+use crate::outbox::Outbox;
+use crate::record::{InboxReceipt, NATS_MSG_ID, TRELLIS_EVENT_TIME};
+use crate::time::parse_timestamp;
+
+/// Headers a dead-letter copy carries besides the message's own.
+pub mod dead_letter_headers {
+    /// The error that ended the message (one line, at most 4 KiB).
+    pub const ERROR: &str = "Trellis-Dlq-Error";
+    /// What failed: `MissingId`, `Undecodable`, `Handler`, `Panic`, `Database`.
+    pub const KIND: &str = "Trellis-Dlq-Kind";
+    /// The consumer that gave up.
+    pub const CONSUMER: &str = "Trellis-Dlq-Consumer";
+    /// The stream the message is in.
+    pub const STREAM: &str = "Trellis-Dlq-Stream";
+    /// Its sequence there.
+    pub const STREAM_SEQUENCE: &str = "Trellis-Dlq-Stream-Sequence";
+    /// The subject it was published to (replay publishes there again).
+    pub const SUBJECT: &str = "Trellis-Dlq-Subject";
+    /// How many deliveries it had.
+    pub const DELIVERIES: &str = "Trellis-Dlq-Deliveries";
+    /// Its `Nats-Msg-Id`, when it had one.
+    pub const MESSAGE_ID: &str = "Trellis-Dlq-Msg-Id";
+}
+
+/// The longest error text a dead-letter header holds.
+const MAX_ERROR_HEADER: usize = 4096;
+/// How long publishing a dead-letter copy may take.
+const DEAD_LETTER_TIMEOUT: Duration = Duration::from_secs(10);
+/// The pause after a pull error before pulling again.
+const PULL_RETRY: Duration = Duration::from_millis(500);
+
+/// Counters of a running consumer.
+#[derive(Debug, Default)]
+pub(crate) struct Stats {
+    applied: AtomicU64,
+    duplicates: AtomicU64,
+    redelivered: AtomicU64,
+    dead_lettered: AtomicU64,
+    terminated: AtomicU64,
+}
+
+impl Stats {
+    pub(crate) fn report(&self) -> ConsumerReport {
+        ConsumerReport {
+            applied: self.applied.load(Ordering::Relaxed),
+            duplicates: self.duplicates.load(Ordering::Relaxed),
+            redelivered: self.redelivered.load(Ordering::Relaxed),
+            dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
+            terminated: self.terminated.load(Ordering::Relaxed),
+        }
+    }
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// What every message task shares.
+pub(crate) struct Shared<DB: OutboxDatabase, E, H> {
+    pub(crate) pool: Pool<DB>,
+    pub(crate) handler: H,
+    pub(crate) outbox: Outbox,
+    pub(crate) jetstream: Context,
+    pub(crate) consumer_name: String,
+    pub(crate) max_deliveries: u32,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) dead_letter_subject: Option<String>,
+    pub(crate) keep_alive: Option<Duration>,
+    pub(crate) on_failure: Option<super::builder::OnFailure>,
+    pub(crate) stats: Arc<Stats>,
+    pub(crate) _event: PhantomData<fn() -> E>,
+}
+
+/// Pulls until cancelled, at most `concurrency` messages in hand; then waits for those.
+pub(crate) async fn run<DB, E, H>(
+    shared: Arc<Shared<DB, E, H>>,
+    consumer: PullConsumer,
+    concurrency: usize,
+    cancel: CancellationToken,
+) -> Result<(), ConsumerError>
+where
+    DB: OutboxDatabase,
+    E: DeserializeOwned + Send + 'static,
+    H: Handler<DB, E>,
+{
+    let pull_error = |source: async_nats::Error| ConsumerError::Pull {
+        consumer: shared.consumer_name.clone(),
+        source,
+    };
+    // Pull no more than can be worked on: a pulled message's ack wait is running.
+    let mut messages = consumer
+        .stream()
+        .max_messages_per_batch(concurrency)
+        .messages()
+        .await
+        .map_err(|e| pull_error(e.into()))?;
+    let permits = Arc::new(Semaphore::new(concurrency));
+    let mut tasks = JoinSet::new();
+    loop {
+        let permit = tokio::select! {
+            biased;
+            () = cancel.cancelled() => break,
+            permit = permits.clone().acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_) => break,
+            },
+        };
+        let next = tokio::select! {
+            biased;
+            () = cancel.cancelled() => break,
+            next = messages.next() => next,
+        };
+        match next {
+            Some(Ok(message)) => {
+                let shared = shared.clone();
+                tasks.spawn(async move {
+                    process(&shared, message).await;
+                    drop(permit);
+                });
+            }
+            Some(Err(err)) => {
+                tracing::warn!(consumer = %shared.consumer_name, error = %err, "pulling messages failed; pulling again");
+                tokio::time::sleep(PULL_RETRY).await;
+            }
+            None => break,
+        }
+        while tasks.try_join_next().is_some() {}
+    }
+    // Messages pulled but not started are redelivered by the server after their ack wait.
+    drop(messages);
+    while let Some(joined) = tasks.join_next().await {
+        if let Err(err) = joined {
+            tracing::error!(consumer = %shared.consumer_name, error = %err, "a message task ended abnormally");
+        }
+    }
+    Ok(())
+}
+
+/// Where one message stands.
+struct Origin<'m> {
+    message: &'m Message,
+    id: Option<String>,
+    stream: String,
+    stream_sequence: u64,
+    delivery: u64,
+}
+
+/// Why applying failed.
+struct Failure {
+    kind: FailureKind,
+    error: String,
+    retryable: bool,
+}
+
+impl Failure {
+    fn new(kind: FailureKind, error: String, retryable: bool) -> Self {
+        Self {
+            kind,
+            error,
+            retryable,
+        }
+    }
+}
+
+enum Applied {
+    Committed,
+    Duplicate,
+}
+
+async fn process<DB, E, H>(shared: &Shared<DB, E, H>, message: Message)
+where
+    DB: OutboxDatabase,
+    E: DeserializeOwned + Send + 'static,
+    H: Handler<DB, E>,
+{
+    let (stream, stream_sequence, delivery) = match message.info() {
+        Ok(info) => (
+            info.stream.to_owned(),
+            info.stream_sequence,
+            u64::try_from(info.delivered).unwrap_or(1).max(1),
+        ),
+        Err(_) => (String::new(), 0, 1),
+    };
+    let headers = first_values(message.headers.as_ref());
+    let id = headers
+        .get(NATS_MSG_ID)
+        .filter(|id| crate::wire::id_problem(id).is_none())
+        .cloned();
+    let mut at = Origin {
+        message: &message,
+        id: id.clone(),
+        stream,
+        stream_sequence,
+        delivery,
+    };
+    let Some(id) = id else {
+        let failure = Failure::new(
+            FailureKind::MissingId,
+            "the message has no usable Nats-Msg-Id header, so it cannot be deduplicated".into(),
+            false,
+        );
+        return give_up(shared, &mut at, failure).await;
+    };
+    let event: E = match serde_json::from_slice(&message.payload) {
+        Ok(event) => event,
+        Err(err) => {
+            let failure = Failure::new(
+                FailureKind::Undecodable,
+                format!(
+                    "the payload is not a valid {}: {err}",
+                    std::any::type_name::<E>()
+                ),
+                false,
+            );
+            return give_up(shared, &mut at, failure).await;
+        }
+    };
+    let delivered = Delivered {
+        event,
+        id: id.clone(),
+        time: headers
+            .get(TRELLIS_EVENT_TIME)
+            .and_then(|time| parse_timestamp(time).ok()),
+        subject: message.subject.to_string(),
+        headers,
+        delivery,
+        stream_sequence,
+    };
+    match apply(shared, &message, &id, delivered).await {
+        Ok(applied) => {
+            match applied {
+                Applied::Committed => bump(&shared.stats.applied),
+                Applied::Duplicate => bump(&shared.stats.duplicates),
+            }
+            if let Err(err) = message.ack().await {
+                let failure =
+                    Failure::new(FailureKind::Ack, crate::chain::error_chain(&*err), true);
+                report(shared, &at, &failure, FailureAction::None);
+            }
+        }
+        Err(failure) if failure.retryable && delivery < u64::from(shared.max_deliveries) => {
+            let after = shared
+                .retry
+                .delay(u32::try_from(delivery).unwrap_or(u32::MAX));
+            redeliver(shared, &at, &failure, after).await;
+        }
+        Err(failure) => give_up(shared, &mut at, failure).await,
+    }
+}
+
+/// Begin, record the inbox row, run the handler, commit.
+async fn apply<DB, E, H>(
+    shared: &Shared<DB, E, H>,
+    message: &Message,
+    id: &str,
+    delivered: Delivered<E>,
+) -> Result<Applied, Failure>
+where
+    DB: OutboxDatabase,
+    E: DeserializeOwned + Send + 'static,
+    H: Handler<DB, E>,
+{
+    let database = |err: &(dyn std::error::Error + 'static)| {
+        Failure::new(FailureKind::Database, crate::chain::error_chain(err), true)
+    };
+    let mut tx = shared.pool.begin().await.map_err(|e| database(&e))?;
+    match shared.outbox.record_inbox(&mut tx, id).await {
+        Ok(InboxReceipt::Duplicate) => {
+            // Nothing was written; ending the transaction is all that is left.
+            let _ = tx.rollback().await;
+            return Ok(Applied::Duplicate);
+        }
+        Ok(_) => {}
+        Err(err) => return Err(database(&err)),
+    }
+    let handled = AssertUnwindSafe(shared.handler.handle(&mut tx, delivered)).catch_unwind();
+    let outcome = match shared.keep_alive {
+        None => handled.await,
+        Some(every) => {
+            tokio::pin!(handled);
+            let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            loop {
+                tokio::select! {
+                    outcome = &mut handled => break outcome,
+                    _ = ticks.tick() => {
+                        // Best effort: a lost progress ack only risks a redelivery, which
+                        // the inbox absorbs.
+                        let _ = message.ack_with(AckKind::Progress).await;
+                    }
+                }
+            }
+        }
+    };
+    match outcome {
+        Ok(Ok(())) => {
+            tx.commit().await.map_err(|e| database(&e))?;
+            Ok(Applied::Committed)
+        }
+        Ok(Err(err)) => {
+            let _ = tx.rollback().await;
+            Err(Failure::new(
+                FailureKind::Handler,
+                err.chain(),
+                err.is_retryable(),
+            ))
+        }
+        Err(panic) => {
+            let _ = tx.rollback().await;
+            Err(Failure::new(
+                FailureKind::Panic,
+                format!("the handler panicked: {}", panic_message(&*panic)),
+                true,
+            ))
+        }
+    }
+}
+
+async fn redeliver<DB: OutboxDatabase, E, H>(
+    shared: &Shared<DB, E, H>,
+    at: &Origin<'_>,
+    failure: &Failure,
+    after: Duration,
+) {
+    bump(&shared.stats.redelivered);
+    report(shared, at, failure, FailureAction::Redeliver { after });
+    if let Err(err) = at.message.ack_with(AckKind::Nak(Some(after))).await {
+        // Without the nak the server redelivers after the ack wait instead.
+        tracing::warn!(consumer = %shared.consumer_name, error = %err, "nak failed");
+    }
+}
+
+/// Dead-letters (when enabled) and terminates a message that will not be applied.
+async fn give_up<DB: OutboxDatabase, E, H>(
+    shared: &Shared<DB, E, H>,
+    at: &mut Origin<'_>,
+    failure: Failure,
+) {
+    let action = match &shared.dead_letter_subject {
+        None => FailureAction::Terminated,
+        Some(subject) => match dead_letter(shared, at, &failure, subject).await {
+            Ok(()) => FailureAction::DeadLettered,
+            Err(err) => {
+                let copy_failed = Failure::new(
+                    FailureKind::DeadLetter,
+                    format!(
+                        "copying to {subject} failed: {err}; the message failed with: {}",
+                        failure.error
+                    ),
+                    true,
+                );
+                if at.delivery < u64::from(shared.max_deliveries) {
+                    // Try the whole message again later rather than lose the copy.
+                    let after = shared
+                        .retry
+                        .delay(u32::try_from(at.delivery).unwrap_or(u32::MAX));
+                    return redeliver(shared, at, &copy_failed, after).await;
+                }
+                report(shared, at, &copy_failed, FailureAction::Terminated);
+                bump(&shared.stats.terminated);
+                let _ = at.message.ack_with(AckKind::Term).await;
+                return;
+            }
+        },
+    };
+    report(shared, at, &failure, action);
+    match action {
+        FailureAction::DeadLettered => bump(&shared.stats.dead_lettered),
+        _ => bump(&shared.stats.terminated),
+    }
+    if let Err(err) = at.message.ack_with(AckKind::Term).await {
+        tracing::warn!(consumer = %shared.consumer_name, error = %err, "terminating a message failed");
+    }
+}
+
+async fn dead_letter<DB: OutboxDatabase, E, H>(
+    shared: &Shared<DB, E, H>,
+    at: &Origin<'_>,
+    failure: &Failure,
+    subject: &str,
+) -> Result<(), async_nats::Error> {
+    use dead_letter_headers as h;
+    let mut headers = HeaderMap::new();
+    if let Some(original) = at.message.headers.as_ref() {
+        for (name, values) in original.iter() {
+            // Control headers (`Nats-Msg-Id`, `Nats-Expected-*`, …) must not act on the copy.
+            if name.to_string().to_ascii_lowercase().starts_with("nats-") {
+                continue;
+            }
+            for value in values {
+                headers.append(name.clone(), value.clone());
+            }
+        }
+    }
+    headers.insert(h::ERROR, one_line(&failure.error).as_str());
+    headers.insert(h::KIND, format!("{:?}", failure.kind).as_str());
+    headers.insert(h::CONSUMER, shared.consumer_name.as_str());
+    headers.insert(h::STREAM, at.stream.as_str());
+    headers.insert(h::STREAM_SEQUENCE, at.stream_sequence.to_string().as_str());
+    headers.insert(h::SUBJECT, at.message.subject.as_str());
+    headers.insert(h::DELIVERIES, at.delivery.to_string().as_str());
+    if let Some(id) = &at.id {
+        headers.insert(h::MESSAGE_ID, id.as_str());
+    }
+    // One copy per message and consumer, even if this publish is repeated.
+    headers.insert(
+        NATS_MSG_ID,
+        format!(
+            "dlq:{}:{}:{}",
+            shared.consumer_name, at.stream, at.stream_sequence
+        )
+        .as_str(),
+    );
+    let publish = async {
+        shared
+            .jetstream
+            .publish_with_headers(subject.to_owned(), headers, at.message.payload.clone())
+            .await?
+            .await?;
+        Ok::<(), async_nats::Error>(())
+    };
+    match tokio::time::timeout(DEAD_LETTER_TIMEOUT, publish).await {
+        Ok(result) => result,
+        Err(_) => Err(format!("no acknowledgement within {DEAD_LETTER_TIMEOUT:?}").into()),
+    }
+}
+
+fn report<DB: OutboxDatabase, E, H>(
+    shared: &Shared<DB, E, H>,
+    at: &Origin<'_>,
+    failure: &Failure,
+    action: FailureAction,
+) {
+    let report = ConsumeFailure {
+        consumer: shared.consumer_name.clone(),
+        id: at.id.clone(),
+        stream_sequence: at.stream_sequence,
+        delivery: at.delivery,
+        kind: failure.kind,
+        error: failure.error.clone(),
+        action,
+    };
+    match action {
+        FailureAction::Redeliver { .. } | FailureAction::None => {
+            tracing::warn!(consumer = %report.consumer, id = ?report.id, "{report}");
+        }
+        _ => tracing::error!(consumer = %report.consumer, id = ?report.id, "{report}"),
+    }
+    if let Some(callback) = &shared.on_failure
+        && let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| callback(&report)))
+    {
+        tracing::error!(panic = %panic_message(&*panic), "the consumer's on_error callback panicked");
+    }
+}
+
+/// The first value of each header.
+fn first_values(headers: Option<&HeaderMap>) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    if let Some(headers) = headers {
+        for (name, values) in headers.iter() {
+            if let Some(value) = values.first() {
+                out.entry(name.to_string())
+                    .or_insert_with(|| value.as_str().to_owned());
+            }
+        }
+    }
+    out
+}
+
+/// `text` on one line (CR, LF and other controls as spaces), at most 4 KiB.
+fn one_line(text: &str) -> String {
+    let mut out: String = text
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if out.len() > MAX_ERROR_HEADER {
+        let mut end = MAX_ERROR_HEADER;
+        while !out.is_char_boundary(end) {
+            end -= 1;
+        }
+        out.truncate(end);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::one_line;
+
+    #[test]
+    fn errors_fit_one_header_line() {
+        assert_eq!(one_line("a\r\nb\0c"), "a  b c");
+        let long = "é".repeat(5000);
+        let line = one_line(&long);
+        assert!(line.len() <= 4096 && line.chars().all(|c| c == 'é'));
+    }
+}
