@@ -192,6 +192,22 @@ pub enum Error {
         source: sqlx::Error,
     },
 
+    /// A NATS KV operation of [`NatsKvOutboxRepository`](crate::NatsKvOutboxRepository) or
+    /// [`NatsKvInboxRepository`](crate::NatsKvInboxRepository) failed.
+    #[error("NATS KV error during outbox {operation} of key {key:?}")]
+    Kv {
+        /// The operation: `enqueue`, `record inbox`, `claim`, `mark`, `release`, `retry`,
+        /// `purge` or `list keys`.
+        operation: &'static str,
+        /// The key, or `""` for a whole-bucket operation.
+        key: String,
+        /// The client's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+        /// Whether trying again may succeed (timeouts, a broken connection).
+        retryable: bool,
+    },
+
     /// A migration recorded in the database differs from the one this library would apply.
     #[error(
         "outbox migration {id} (version {version}) was applied with checksum {recorded}, \
@@ -236,6 +252,7 @@ impl Error {
             // A dispatcher retries repository operations on its own schedule; connection
             // and contention failures are worth retrying, constraint violations are not.
             Error::Repository { source, .. } => sqlx_is_retryable(source),
+            Error::Kv { retryable, .. } => *retryable,
             _ => false,
         }
     }

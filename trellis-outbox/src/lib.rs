@@ -71,6 +71,8 @@ mod driver;
 mod error;
 mod event;
 mod job;
+#[cfg(feature = "nats")]
+mod kv;
 mod migrate;
 #[cfg(feature = "nats")]
 mod nats;
@@ -79,7 +81,7 @@ mod outbox;
 mod participant;
 mod postgres;
 mod record;
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "nats"))]
 mod row;
 mod setters;
 mod sql;
@@ -110,6 +112,8 @@ pub use crate::driver::OutboxDatabase;
 pub use crate::error::{Error, Result, TableKind};
 pub use crate::event::{OutboxEvent, TRACEPARENT, TRACESTATE, TraceContext};
 pub use crate::job::{JobMode, JobSubmission, OutboxJob, REQUEST_ID};
+#[cfg(feature = "nats")]
+pub use crate::kv::{NatsKvInboxRepository, NatsKvOutboxRepository};
 pub use crate::migrate::{
     MIGRATIONS_TABLE, MigrationReport, SqlOutboxMigration, fnv1a64_hex, migrate, migrate_with,
     migration_script, migrations,

@@ -41,6 +41,12 @@ impl Stored<BTreeMap<String, String>> for &str {
     }
 }
 
+impl Stored<BTreeMap<String, String>> for BTreeMap<String, String> {
+    fn into_value(self, _: &str, _: &'static str) -> Result<BTreeMap<String, String>> {
+        Ok(self)
+    }
+}
+
 impl Stored<serde_json::Value> for Cow<'_, str> {
     fn into_value(self, id: &str, column: &'static str) -> Result<serde_json::Value> {
         serde_json::from_str(&self).map_err(|e| Error::decode(id, column, format!("not JSON: {e}")))

@@ -29,7 +29,7 @@ pub fn format_timestamp(time: DateTime<Utc>) -> String {
 ///
 /// The stored format `YYYY-MM-DDTHH:mm:ss.sssZ` takes a fast path: claims decode three per
 /// row.
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "nats"))]
 pub(crate) fn parse_timestamp(text: &str) -> Result<DateTime<Utc>, chrono::ParseError> {
     if let Some(time) = parse_iso_millis(text.as_bytes()) {
         return Ok(time);

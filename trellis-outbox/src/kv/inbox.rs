@@ -1,0 +1,92 @@
+//! [`NatsKvInboxRepository`]: message ids seen, in a NATS KV bucket.
+
+use async_nats::jetstream::kv::{self, CreateErrorKind};
+
+use super::record::key_of;
+use crate::error::{Error, Result};
+use crate::record::InboxReceipt;
+use crate::time::{format_timestamp, now_millis};
+
+/// An inbox in a NATS KV bucket (upstream's `NatsKvInboxRepository`, spec §E.2): `record(id)`
+/// creates the key `id` if absent, atomically, so of several consumers recording one id
+/// exactly one is told [`InboxReceipt::Accepted`].
+///
+/// **Not transactional with anything else**: record the id, apply the effect, and a crash
+/// between the two leaves the message marked seen but not applied (or, applied first, applied
+/// twice). Use it only for effects that are idempotent themselves; otherwise use the SQL inbox
+/// with `tx.record_inbox(id)` in the effect's transaction (what [`Consumer`](crate::Consumer)
+/// does). Keys are escaped once, as in
+/// [`NatsKvOutboxRepository`](crate::NatsKvOutboxRepository). For retention, give the bucket a
+/// `max_age` (ids older than it are forgotten; keep it above the stream's redelivery horizon).
+///
+/// # Examples
+///
+/// ```no_run
+/// # async fn run(js: async_nats::jetstream::Context) -> trellis_outbox::Result<()> {
+/// use trellis_outbox::{InboxReceipt, NatsKvInboxRepository};
+///
+/// let inbox = NatsKvInboxRepository::open(&js, "billing_inbox").await?;
+/// if inbox.record("01J9ZK3V8Q2W4E6R8T0Y1U3I5O").await? == InboxReceipt::Accepted {
+///     // first time: apply the (idempotent) effect
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct NatsKvInboxRepository {
+    store: kv::Store,
+}
+
+impl NatsKvInboxRepository {
+    /// An inbox in `store`.
+    pub fn new(store: kv::Store) -> Self {
+        Self { store }
+    }
+
+    /// Opens the bucket `bucket`, creating it (file storage, one value per key) if missing.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Kv`] if JetStream refuses or cannot be reached.
+    pub async fn open(jetstream: &async_nats::jetstream::Context, bucket: &str) -> Result<Self> {
+        Ok(Self::new(super::open_bucket(jetstream, bucket).await?))
+    }
+
+    /// Records `message_id`: [`InboxReceipt::Accepted`] the first time,
+    /// [`InboxReceipt::Duplicate`] after that.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidMessageId`] for an empty id or one with control characters;
+    /// [`Error::Kv`] if the bucket fails.
+    pub async fn record(&self, message_id: &str) -> Result<InboxReceipt> {
+        if message_id.is_empty() || message_id.chars().any(char::is_control) {
+            return Err(Error::InvalidMessageId {
+                message_id: message_id.to_owned(),
+                problem: if message_id.is_empty() {
+                    "is empty"
+                } else {
+                    "contains control characters"
+                },
+            });
+        }
+        let key = key_of(message_id);
+        let value = serde_json::json!({
+            "messageId": message_id,
+            "receivedAt": format_timestamp(now_millis()),
+        });
+        let bytes = serde_json::to_vec(&value).map_err(|source| Error::Serialize {
+            what: "inbox KV record",
+            source,
+        })?;
+        match self.store.create(&key, bytes.into()).await {
+            Ok(_) => Ok(InboxReceipt::Accepted),
+            Err(e) if e.kind() == CreateErrorKind::AlreadyExists => Ok(InboxReceipt::Duplicate),
+            Err(e) => Err(Error::Kv {
+                operation: "record inbox",
+                key,
+                retryable: e.kind() != CreateErrorKind::InvalidKey,
+                source: Box::new(e),
+            }),
+        }
+    }
+}
