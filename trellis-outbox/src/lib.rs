@@ -73,6 +73,7 @@ mod event;
 mod job;
 #[cfg(feature = "nats")]
 mod kv;
+pub mod metrics;
 mod migrate;
 #[cfg(feature = "nats")]
 mod nats;

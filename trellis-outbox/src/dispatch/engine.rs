@@ -14,6 +14,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 
 #[cfg(doc)]
 use crate::dispatch::OutboxDispatcher;
@@ -21,6 +22,7 @@ use crate::dispatch::error::{DispatchError, report_error};
 use crate::dispatch::options::{DispatchOptions, DispatchReport};
 use crate::dispatch::publisher::{PublishError, Publisher};
 use crate::dispatch::repository::{Claim, OutboxRepository};
+use crate::metrics;
 
 /// Drains the outbox once: claims due rows batch after batch, publishes them, and marks
 /// them, until a claim comes back empty. For applications that schedule dispatching
@@ -226,11 +228,18 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
     /// Claims one batch.
     async fn claim(&self, cutoff: Option<DateTime<Utc>>) -> Result<Leased, DispatchError> {
         let started = Instant::now();
+        let timer = std::time::Instant::now();
         let claim = self
             .repo
             .claim_due(self.options.batch_size, self.options.lease, cutoff)
+            .instrument(tracing::debug_span!(
+                "outbox_claim",
+                limit = self.options.batch_size
+            ))
             .await
             .map_err(DispatchError::repository("claim due rows"))?;
+        metrics::seconds(metrics::CLAIM_SECONDS, timer);
+        ::metrics::histogram!(metrics::CLAIMED_ROWS).record(claim.len() as f64);
         Ok(Leased {
             claim,
             deadline: deadline(started, self.options.lease),

@@ -11,6 +11,7 @@ use crate::chain::error_chain;
 use crate::dispatch::error::{DispatchError, Disposition};
 use crate::dispatch::publisher::{PublishError, Publisher};
 use crate::dispatch::repository::{Claim, Dispatched, Failure, OutboxRepository};
+use crate::metrics;
 use crate::record::OutboxMessage;
 
 /// How many ids a [`DispatchError::PublishBatch`] report lists.
@@ -38,15 +39,20 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             let Some(results) = results else {
                 return marked;
             };
+            let started = std::time::Instant::now();
             let mut lost = 0u64;
             let mut dispatched = Vec::new();
+            let mut dispatched_names: Vec<&str> = Vec::new();
             let mut failures: Vec<(&OutboxMessage, PublishError)> = Vec::new();
             for (message, result) in claim.messages.iter().zip(results) {
                 match result {
-                    Ok(outcome) => dispatched.push(Dispatched {
-                        id: message.id.clone(),
-                        outcome: outcome.map(sanitize_outcome),
-                    }),
+                    Ok(outcome) => {
+                        dispatched_names.push(&message.name);
+                        dispatched.push(Dispatched {
+                            id: message.id.clone(),
+                            outcome: outcome.map(sanitize_outcome),
+                        });
+                    }
                     Err(error) => failures.push((message, error)),
                 }
             }
@@ -55,6 +61,14 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 marked.report.dispatched += done;
                 marked.report.dead += dead;
                 lost += (dispatched.len() as u64).saturating_sub(done + dead);
+                if done == dispatched.len() as u64 {
+                    for name in &dispatched_names {
+                        metrics::count(metrics::DISPATCHED, name, 1);
+                    }
+                } else {
+                    metrics::count(metrics::DISPATCHED, metrics::UNATTRIBUTED_NAME, done);
+                    metrics::count(metrics::DEAD, metrics::UNATTRIBUTED_NAME, dead);
+                }
             }
 
             let policy = &self.options.retry_policy;
@@ -84,6 +98,7 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
 
             for poison in claim.poisoned.iter().filter(|p| done.contains(&p.id)) {
                 marked.report.dead += 1;
+                metrics::count(metrics::DEAD, metrics::POISON_NAME, 1);
                 self.emit(DispatchError::Poisoned {
                     id: poison.id.clone(),
                     reason: poison.reason.clone(),
@@ -95,9 +110,13 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                     continue;
                 }
                 match disposition {
-                    Disposition::Dead => marked.report.dead += 1,
+                    Disposition::Dead => {
+                        marked.report.dead += 1;
+                        metrics::count(metrics::DEAD, &message.name, 1);
+                    }
                     Disposition::RetryAfter(delay) => {
                         marked.report.failed += 1;
+                        metrics::count(metrics::FAILED, &message.name, 1);
                         let at = deadline(Instant::now(), delay);
                         earliest(&mut marked.retry_at, at);
                     }
@@ -113,6 +132,7 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             if lost > 0 {
                 self.emit(DispatchError::LeaseLost { rows: lost });
             }
+            metrics::seconds(metrics::MARK_SECONDS, started);
             tracing::debug!(
                 dispatched = marked.report.dispatched,
                 failed = marked.report.failed,

@@ -147,7 +147,10 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
         messages: &[OutboxMessage],
     ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
         let publishing = AssertUnwindSafe(self.publisher.publish_batch(messages)).catch_unwind();
-        let mut results = match publishing.await {
+        let started = std::time::Instant::now();
+        let outcome = publishing.await;
+        crate::metrics::seconds(crate::metrics::PUBLISH_SECONDS, started);
+        let mut results = match outcome {
             Ok(results) => results,
             Err(panic) => {
                 let message = panic_message(&*panic);

@@ -1,0 +1,96 @@
+//! The metrics the dispatcher records (issue #14), read back with `metrics-util`'s debugging
+//! recorder by name, label and value.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+use std::collections::HashMap;
+
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use serde_json::json;
+use trellis_outbox::metrics as m;
+use trellis_outbox::{
+    DispatchOptions, MemoryOutboxRepository, PreparedOutboxRecord, dispatch_outbox,
+};
+use trellis_outbox_tests::publisher::RecordingPublisher;
+
+/// Every counter as `(name, labels) → value`, and every histogram as `name → samples`.
+fn read(
+    snapshotter: &Snapshotter,
+) -> (
+    HashMap<(String, Vec<(String, String)>), u64>,
+    HashMap<String, usize>,
+) {
+    let mut counters = HashMap::new();
+    let mut histograms = HashMap::new();
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        let key = key.key();
+        let labels: Vec<(String, String)> = key
+            .labels()
+            .map(|l| (l.key().to_owned(), l.value().to_owned()))
+            .collect();
+        match value {
+            DebugValue::Counter(n) => {
+                counters.insert((key.name().to_owned(), labels), n);
+            }
+            DebugValue::Histogram(samples) => {
+                histograms.insert(key.name().to_owned(), samples.len());
+            }
+            DebugValue::Gauge(_) => {}
+        }
+    }
+    (counters, histograms)
+}
+
+fn event(name: &str) -> PreparedOutboxRecord {
+    PreparedOutboxRecord::event(name, format!("events.v1.{name}"), &json!({})).unwrap()
+}
+
+#[test]
+fn a_drain_counts_rows_by_name_and_times_each_stage() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let repo = MemoryOutboxRepository::new();
+            let ok = [
+                repo.enqueue(&event("Orders.Placed")).unwrap(),
+                repo.enqueue(&event("Orders.Placed")).unwrap(),
+            ];
+            let flaky = repo.enqueue(&event("Orders.Shipped")).unwrap();
+            let broken = repo.enqueue(&event("Orders.Billed")).unwrap();
+            repo.enqueue_undecodable(&event("Orders.Lost"), "bad headers")
+                .unwrap();
+            let publisher = RecordingPublisher::new();
+            publisher.fail_always(&flaky.id, "timeout");
+            publisher.fail_permanently(&broken.id, "too large");
+            let report = dispatch_outbox(&repo, &publisher, DispatchOptions::new())
+                .await
+                .unwrap();
+            assert_eq!((report.dispatched, report.failed, report.dead), (2, 1, 2));
+            let _ = ok;
+        });
+    });
+    let (counters, histograms) = read(&snapshotter);
+    let by_name = |metric: &str, name: &str| {
+        counters
+            .get(&(
+                metric.to_owned(),
+                vec![("name".to_owned(), name.to_owned())],
+            ))
+            .copied()
+    };
+    assert_eq!(by_name(m::DISPATCHED, "Orders.Placed"), Some(2));
+    assert_eq!(by_name(m::FAILED, "Orders.Shipped"), Some(1));
+    assert_eq!(by_name(m::DEAD, "Orders.Billed"), Some(1));
+    assert_eq!(by_name(m::DEAD, m::POISON_NAME), Some(1));
+    assert_eq!(by_name(m::DISPATCHED, "Orders.Shipped"), None);
+    // Two claims (the batch, then the empty one that ends the wave); one publish, one mark.
+    assert_eq!(histograms.get(m::CLAIM_SECONDS), Some(&2));
+    assert_eq!(histograms.get(m::CLAIMED_ROWS), Some(&2));
+    assert_eq!(histograms.get(m::PUBLISH_SECONDS), Some(&1));
+    assert_eq!(histograms.get(m::MARK_SECONDS), Some(&1));
+}
