@@ -13,13 +13,11 @@ use trellis_outbox::{
 };
 use trellis_outbox_tests::publisher::RecordingPublisher;
 
+/// Counters by `(name, labels)`.
+type Counters = HashMap<(String, Vec<(String, String)>), u64>;
+
 /// Every counter as `(name, labels) → value`, and every histogram as `name → samples`.
-fn read(
-    snapshotter: &Snapshotter,
-) -> (
-    HashMap<(String, Vec<(String, String)>), u64>,
-    HashMap<String, usize>,
-) {
+fn read(snapshotter: &Snapshotter) -> (Counters, HashMap<String, usize>) {
     let mut counters = HashMap::new();
     let mut histograms = HashMap::new();
     for (key, _, _, value) in snapshotter.snapshot().into_vec() {
