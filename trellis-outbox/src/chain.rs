@@ -21,6 +21,54 @@ pub(crate) fn error_chain(error: &(dyn StdError + 'static)) -> String {
     text
 }
 
+/// The methods of an error type made of a boxed `source` and a `retryable` flag
+/// ([`PublishError`](crate::PublishError), [`HandlerError`](crate::HandlerError)): the two
+/// constructors (documented by the caller), `is_retryable`, `source_error`, `chain`, and a
+/// `Display` that shows the source.
+macro_rules! retry_classified {
+    ($ty:ident, retryable: $retryable:literal, permanent: $permanent:literal) => {
+        impl $ty {
+            #[doc = $retryable]
+            pub fn retryable(source: impl Into<$crate::dispatch::BoxError>) -> Self {
+                Self {
+                    retryable: true,
+                    source: source.into(),
+                }
+            }
+
+            #[doc = $permanent]
+            pub fn permanent(source: impl Into<$crate::dispatch::BoxError>) -> Self {
+                Self {
+                    retryable: false,
+                    source: source.into(),
+                }
+            }
+
+            /// Whether a later attempt may succeed.
+            pub fn is_retryable(&self) -> bool {
+                self.retryable
+            }
+
+            /// The underlying error.
+            pub fn source_error(&self) -> &(dyn ::std::error::Error + Send + Sync + 'static) {
+                &*self.source
+            }
+
+            /// The error and its whole cause chain, `outer: inner: innermost`.
+            pub fn chain(&self) -> String {
+                $crate::chain::error_chain(&*self.source)
+            }
+        }
+
+        impl ::std::fmt::Display for $ty {
+            fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
+                ::std::fmt::Display::fmt(&self.source, f)
+            }
+        }
+    };
+}
+pub(crate) use retry_classified;
+
 #[cfg(test)]
 mod tests {
     use super::*;

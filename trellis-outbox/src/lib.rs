@@ -98,7 +98,7 @@ pub use crate::consumer::{
     ConsumeFailure, Consumer, ConsumerBuilder, ConsumerError, ConsumerHandle, ConsumerReport,
     DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECT_PREFIX, DEFAULT_ACK_WAIT, DEFAULT_CONSUMER_CONCURRENCY,
     DEFAULT_MAX_DELIVERIES, Delivered, FailureAction, FailureKind, Handler, HandlerError,
-    HandlerFn, dead_letter_headers, handler_fn,
+    HandlerFn, HandlerFuture, dead_letter_headers, handler_fn,
 };
 pub use crate::descriptor::{
     TRELLIS_EVENT_DESCRIPTOR, event_descriptor_identity, trellis_event_subject,

@@ -14,12 +14,13 @@ use sqlx::Pool;
 use tokio_util::sync::CancellationToken;
 
 use super::error::{ConsumeFailure, ConsumerError};
-use super::run::{self, Shared, Stats};
+use super::run::{self, Settings, Shared, Stats};
 use super::{ConsumerHandle, Handler};
 use crate::dispatch::RetryPolicy;
 use crate::driver::OutboxDatabase;
 use crate::event::OutboxEvent;
 use crate::outbox::Outbox;
+use crate::setters::setters;
 
 /// How many messages a consumer applies at once, by default.
 pub const DEFAULT_CONSUMER_CONCURRENCY: usize = 16;
@@ -106,12 +107,14 @@ impl Consumer {
             handler,
             outbox: Outbox::default(),
             target: None,
-            concurrency: DEFAULT_CONSUMER_CONCURRENCY,
-            max_deliveries: None,
-            ack_wait: DEFAULT_ACK_WAIT,
-            retry: RetryPolicy::new(),
-            dead_letters: true,
-            keep_alive: true,
+            options: Options {
+                concurrency: DEFAULT_CONSUMER_CONCURRENCY,
+                max_deliveries: None,
+                ack_wait: DEFAULT_ACK_WAIT,
+                retry: RetryPolicy::new(),
+                dead_letters: true,
+                keep_alive: true,
+            },
             on_failure: None,
             _event: PhantomData,
         }
@@ -126,6 +129,17 @@ struct Target {
     create: Option<String>,
 }
 
+/// The plain options of a consumer (see the setters of [`ConsumerBuilder`]).
+#[derive(Debug, Clone)]
+struct Options {
+    concurrency: usize,
+    max_deliveries: Option<u32>,
+    ack_wait: Duration,
+    retry: RetryPolicy,
+    dead_letters: bool,
+    keep_alive: bool,
+}
+
 /// Options of a [`Consumer`]; made by [`Consumer::builder`].
 pub struct ConsumerBuilder<DB: OutboxDatabase, E, H> {
     jetstream: Context,
@@ -133,12 +147,7 @@ pub struct ConsumerBuilder<DB: OutboxDatabase, E, H> {
     handler: H,
     outbox: Outbox,
     target: Option<Target>,
-    concurrency: usize,
-    max_deliveries: Option<u32>,
-    ack_wait: Duration,
-    retry: RetryPolicy,
-    dead_letters: bool,
-    keep_alive: bool,
+    options: Options,
     on_failure: Option<OnFailure>,
     _event: PhantomData<fn() -> E>,
 }
@@ -147,12 +156,7 @@ impl<DB: OutboxDatabase, E, H> fmt::Debug for ConsumerBuilder<DB, E, H> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ConsumerBuilder")
             .field("target", &self.target)
-            .field("concurrency", &self.concurrency)
-            .field("max_deliveries", &self.max_deliveries)
-            .field("ack_wait", &self.ack_wait)
-            .field("retry", &self.retry)
-            .field("dead_letters", &self.dead_letters)
-            .field("keep_alive", &self.keep_alive)
+            .field("options", &self.options)
             .finish_non_exhaustive()
     }
 }
@@ -209,56 +213,36 @@ where
         self
     }
 
-    /// The outbox whose inbox table records message ids (default: the `trellis_inbox` table).
-    pub fn outbox(mut self, outbox: Outbox) -> Self {
-        self.outbox = outbox;
-        self
-    }
-
-    /// How many messages are applied at once (default [`DEFAULT_CONSUMER_CONCURRENCY`],
-    /// 1 to 10,000). Each holds a database connection while it runs.
-    pub fn concurrency(mut self, concurrency: usize) -> Self {
-        self.concurrency = concurrency;
-        self
+    setters! {
+        /// The outbox whose inbox table records message ids (default: the `trellis_inbox`
+        /// table).
+        outbox(outbox: Outbox) => outbox;
+        /// How many messages are applied at once (default [`DEFAULT_CONSUMER_CONCURRENCY`],
+        /// 1 to 10,000). Each holds a database connection while it runs.
+        concurrency(concurrency: usize) => options.concurrency;
+        /// The ack wait of a consumer this builder [`create`](Self::create)s (default
+        /// [`DEFAULT_ACK_WAIT`]). A bound consumer keeps its own.
+        ack_wait(ack_wait: Duration) => options.ack_wait;
+        /// The delays before redeliveries after failures: delivery `n` failing waits
+        /// `policy.delay(n)` (default [`RetryPolicy::new`]: 1 s doubling to 5 min, ±20 %). Its
+        /// attempt limit is not used: [`max_deliveries`](Self::max_deliveries) is.
+        retry_policy(policy: RetryPolicy) => options.retry;
+        /// Whether failed messages are copied to `_trellis.consumer.dlq.<consumer>` before
+        /// they are terminated (default `true`; the stream `trellis_consumer_dlq` is created at
+        /// start if missing). Off, they are only reported and terminated.
+        dead_letters(enabled: bool) => options.dead_letters;
+        /// Whether a handler that runs long tells JetStream it is still working (an
+        /// in-progress ack every half ack wait), so the message is not redelivered meanwhile
+        /// (default `true`). A redelivery would find the inbox row once this one commits, so
+        /// turning it off costs work, not correctness.
+        keep_alive(enabled: bool) => options.keep_alive;
     }
 
     /// How many deliveries a message gets before it is dead-lettered. Default: the JetStream
     /// consumer's `max_deliver`, or [`DEFAULT_MAX_DELIVERIES`] when it sets none; more than
     /// the consumer's `max_deliver` is refused (the server would stop delivering first).
     pub fn max_deliveries(mut self, deliveries: u32) -> Self {
-        self.max_deliveries = Some(deliveries);
-        self
-    }
-
-    /// The ack wait of a consumer this builder [`create`](Self::create)s (default
-    /// [`DEFAULT_ACK_WAIT`]). A bound consumer keeps its own.
-    pub fn ack_wait(mut self, ack_wait: Duration) -> Self {
-        self.ack_wait = ack_wait;
-        self
-    }
-
-    /// The delays before redeliveries after failures: delivery `n` failing waits
-    /// `policy.delay(n)` (default [`RetryPolicy::new`]: 1 s doubling to 5 min, ±20 %). Its
-    /// attempt limit is not used: [`max_deliveries`](Self::max_deliveries) is.
-    pub fn retry_policy(mut self, policy: RetryPolicy) -> Self {
-        self.retry = policy;
-        self
-    }
-
-    /// Whether failed messages are copied to `_trellis.consumer.dlq.<consumer>` before they
-    /// are terminated (default `true`; the stream `trellis_consumer_dlq` is created at start
-    /// if missing). Off, they are only reported and terminated.
-    pub fn dead_letters(mut self, enabled: bool) -> Self {
-        self.dead_letters = enabled;
-        self
-    }
-
-    /// Whether a handler that runs long tells JetStream it is still working (an in-progress
-    /// ack every half ack wait), so the message is not redelivered meanwhile (default
-    /// `true`). A redelivery would find the inbox row once this one commits, so turning it off
-    /// costs work, not correctness.
-    pub fn keep_alive(mut self, enabled: bool) -> Self {
-        self.keep_alive = enabled;
+        self.options.max_deliveries = Some(deliveries);
         self
     }
 
@@ -283,25 +267,29 @@ where
                       `create(stream, consumer)`"
                 .into(),
         })?;
-        if !(1..=MAX_CONCURRENCY).contains(&self.concurrency) {
+        if !(1..=MAX_CONCURRENCY).contains(&self.options.concurrency) {
             return Err(ConsumerError::InvalidOptions {
                 option: "concurrency",
-                problem: format!("must be 1 to {MAX_CONCURRENCY}, got {}", self.concurrency),
+                problem: format!(
+                    "must be 1 to {MAX_CONCURRENCY}, got {}",
+                    self.options.concurrency
+                ),
             });
         }
-        if self.max_deliveries == Some(0) {
+        if self.options.max_deliveries == Some(0) {
             return Err(ConsumerError::InvalidOptions {
                 option: "max_deliveries",
                 problem: "must be at least 1".into(),
             });
         }
-        if self.ack_wait < Duration::from_millis(100) {
+        if self.options.ack_wait < Duration::from_millis(100) {
             return Err(ConsumerError::InvalidOptions {
                 option: "ack_wait",
-                problem: format!("must be at least 100 ms, got {:?}", self.ack_wait),
+                problem: format!("must be at least 100 ms, got {:?}", self.options.ack_wait),
             });
         }
-        self.retry
+        self.options
+            .retry
             .validate()
             .map_err(|err| ConsumerError::InvalidOptions {
                 option: "retry_policy",
@@ -320,7 +308,7 @@ where
             });
         }
         let server_limit = u32::try_from(config.max_deliver).ok().filter(|n| *n > 0);
-        let max_deliveries = match (self.max_deliveries, server_limit) {
+        let max_deliveries = match (self.options.max_deliveries, server_limit) {
             (Some(ours), Some(server)) if ours > server => {
                 return Err(ConsumerError::InvalidOptions {
                     option: "max_deliveries",
@@ -334,9 +322,10 @@ where
             (None, None) => DEFAULT_MAX_DELIVERIES,
         };
         let keep_alive = self
+            .options
             .keep_alive
             .then(|| (config.ack_wait / 2).max(Duration::from_millis(50)));
-        let dead_letter_subject = if self.dead_letters {
+        let dead_letter_subject = if self.options.dead_letters {
             self.dead_letter_stream().await?;
             Some(format!("{DEAD_LETTER_SUBJECT_PREFIX}.{}", target.consumer))
         } else {
@@ -349,16 +338,23 @@ where
             outbox: self.outbox,
             jetstream: self.jetstream,
             consumer_name: target.consumer,
-            max_deliveries,
-            retry: self.retry,
-            dead_letter_subject,
-            keep_alive,
+            settings: Settings {
+                max_deliveries,
+                retry: self.options.retry,
+                dead_letter_subject,
+                keep_alive,
+            },
             on_failure: self.on_failure,
             stats: stats.clone(),
             _event: PhantomData,
         });
         let cancel = CancellationToken::new();
-        let task = tokio::spawn(run::run(shared, consumer, self.concurrency, cancel.clone()));
+        let task = tokio::spawn(run::run(
+            shared,
+            consumer,
+            self.options.concurrency,
+            cancel.clone(),
+        ));
         Ok(ConsumerHandle::new(cancel, task, stats))
     }
 
@@ -389,6 +385,7 @@ where
                     .await
                     .map_err(|e| stream_error(e.into()))?;
                 let max_deliver = self
+                    .options
                     .max_deliveries
                     .map_or(i64::from(DEFAULT_MAX_DELIVERIES), i64::from);
                 stream
@@ -398,7 +395,7 @@ where
                             durable_name: Some(target.consumer.clone()),
                             filter_subject: filter.clone(),
                             ack_policy: AckPolicy::Explicit,
-                            ack_wait: self.ack_wait,
+                            ack_wait: self.options.ack_wait,
                             max_deliver,
                             ..PullConfig::default()
                         },

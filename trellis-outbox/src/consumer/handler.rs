@@ -39,39 +39,14 @@ pub struct HandlerError {
     source: BoxError,
 }
 
-impl HandlerError {
-    /// A failure a later delivery may not repeat (a lock timeout, a service that was down):
-    /// the message is redelivered after a backoff, up to the consumer's last delivery.
-    pub fn retryable(source: impl Into<BoxError>) -> Self {
-        Self {
-            retryable: true,
-            source: source.into(),
-        }
-    }
-
-    /// A failure no redelivery will fix: the message is dead-lettered and terminated now.
-    pub fn permanent(source: impl Into<BoxError>) -> Self {
-        Self {
-            retryable: false,
-            source: source.into(),
-        }
-    }
-
-    /// Whether a redelivery may succeed.
-    pub fn is_retryable(&self) -> bool {
-        self.retryable
-    }
-
-    /// The error and its whole cause chain, `outer: inner: innermost`.
-    pub fn chain(&self) -> String {
-        crate::chain::error_chain(&*self.source)
-    }
-
-    /// The underlying error.
-    pub fn source_error(&self) -> &(dyn StdError + Send + Sync + 'static) {
-        &*self.source
-    }
-}
+crate::chain::retry_classified!(
+    HandlerError,
+    retryable: "A failure a later delivery may not repeat (a lock timeout, a service that was \
+                down): the message is redelivered after a backoff, up to the consumer's last \
+                delivery.",
+    permanent: "A failure no redelivery will fix: the message is dead-lettered and terminated \
+                now."
+);
 
 impl<E: StdError + Send + Sync + 'static> From<E> for HandlerError {
     fn from(err: E) -> Self {
@@ -85,12 +60,6 @@ impl fmt::Debug for HandlerError {
             .field("retryable", &self.retryable)
             .field("source", &self.source)
             .finish()
-    }
-}
-
-impl fmt::Display for HandlerError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(&self.source, f)
     }
 }
 
@@ -154,47 +123,59 @@ pub trait Handler<DB: Database, E>: Send + Sync + 'static {
 /// });
 /// # let _ = handler;
 /// ```
-pub fn handler_fn<DB, E, F>(f: F) -> HandlerFn<F>
+pub fn handler_fn<DB, E, F>(f: F) -> HandlerFn<DB, E>
 where
     DB: Database,
-    F: for<'t> Fn(
-            &'t mut Transaction<'static, DB>,
-            Delivered<E>,
-        ) -> BoxFuture<'t, Result<(), HandlerError>>
+    F: for<'t> Fn(&'t mut Transaction<'static, DB>, Delivered<E>) -> HandlerFuture<'t>
         + Send
         + Sync
         + 'static,
 {
-    HandlerFn(f)
+    HandlerFn(Box::new(f))
 }
 
-/// A closure as a [`Handler`]; made by [`handler_fn`].
-#[derive(Clone, Copy)]
-pub struct HandlerFn<F>(F);
+/// What a [`handler_fn`] closure returns.
+pub type HandlerFuture<'t> = BoxFuture<'t, Result<(), HandlerError>>;
 
-impl<F> fmt::Debug for HandlerFn<F> {
+/// A closure as a [`Handler`]; made by [`handler_fn`].
+pub struct HandlerFn<DB: Database, E>(Box<dyn ClosureHandler<DB, E>>);
+
+/// The closures [`handler_fn`] takes, boxed.
+trait ClosureHandler<DB: Database, E>: Send + Sync {
+    fn call<'t>(
+        &self,
+        tx: &'t mut Transaction<'static, DB>,
+        delivered: Delivered<E>,
+    ) -> HandlerFuture<'t>;
+}
+
+impl<DB: Database, E, F> ClosureHandler<DB, E> for F
+where
+    F: for<'t> Fn(&'t mut Transaction<'static, DB>, Delivered<E>) -> HandlerFuture<'t>
+        + Send
+        + Sync,
+{
+    fn call<'t>(
+        &self,
+        tx: &'t mut Transaction<'static, DB>,
+        delivered: Delivered<E>,
+    ) -> HandlerFuture<'t> {
+        self(tx, delivered)
+    }
+}
+
+impl<DB: Database, E> fmt::Debug for HandlerFn<DB, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("HandlerFn")
     }
 }
 
-impl<DB, E, F> Handler<DB, E> for HandlerFn<F>
-where
-    DB: Database,
-    E: Send + 'static,
-    F: for<'t> Fn(
-            &'t mut Transaction<'static, DB>,
-            Delivered<E>,
-        ) -> BoxFuture<'t, Result<(), HandlerError>>
-        + Send
-        + Sync
-        + 'static,
-{
+impl<DB: Database, E: Send + 'static> Handler<DB, E> for HandlerFn<DB, E> {
     fn handle(
         &self,
         tx: &mut Transaction<'static, DB>,
         delivered: Delivered<E>,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send {
-        (self.0)(tx, delivered)
+        self.0.call(tx, delivered)
     }
 }

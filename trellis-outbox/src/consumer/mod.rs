@@ -25,7 +25,7 @@ pub use builder::{
 };
 pub use delivered::Delivered;
 pub use error::{ConsumeFailure, ConsumerError, FailureAction, FailureKind};
-pub use handler::{Handler, HandlerError, HandlerFn, handler_fn};
+pub use handler::{Handler, HandlerError, HandlerFn, HandlerFuture, handler_fn};
 pub use run::dead_letter_headers;
 
 /// What a consumer has done since it started.

@@ -79,6 +79,31 @@ fn bump(counter: &AtomicU64) {
     counter.fetch_add(1, Ordering::Relaxed);
 }
 
+/// The options a running consumer applies, resolved at start.
+#[derive(Debug)]
+pub(crate) struct Settings {
+    /// The delivery at which a failing message is given up.
+    pub(crate) max_deliveries: u32,
+    pub(crate) retry: RetryPolicy,
+    /// Where dead letters go, when they are enabled.
+    pub(crate) dead_letter_subject: Option<String>,
+    /// How often an in-progress ack is sent while a handler runs, if at all.
+    pub(crate) keep_alive: Option<Duration>,
+}
+
+impl Settings {
+    /// Whether a message failing at `delivery` gets another one.
+    fn redelivers(&self, delivery: u64) -> bool {
+        delivery < u64::from(self.max_deliveries)
+    }
+
+    /// The delay before the redelivery after `delivery` failed.
+    fn delay_after(&self, delivery: u64) -> Duration {
+        self.retry
+            .delay(u32::try_from(delivery).unwrap_or(u32::MAX))
+    }
+}
+
 /// What every message task shares.
 pub(crate) struct Shared<DB: OutboxDatabase, E, H> {
     pub(crate) pool: Pool<DB>,
@@ -86,10 +111,7 @@ pub(crate) struct Shared<DB: OutboxDatabase, E, H> {
     pub(crate) outbox: Outbox,
     pub(crate) jetstream: Context,
     pub(crate) consumer_name: String,
-    pub(crate) max_deliveries: u32,
-    pub(crate) retry: RetryPolicy,
-    pub(crate) dead_letter_subject: Option<String>,
-    pub(crate) keep_alive: Option<Duration>,
+    pub(crate) settings: Settings,
     pub(crate) on_failure: Option<super::builder::OnFailure>,
     pub(crate) stats: Arc<Stats>,
     pub(crate) _event: PhantomData<fn() -> E>,
@@ -262,10 +284,8 @@ where
                 report(shared, &at, &failure, FailureAction::None);
             }
         }
-        Err(failure) if failure.retryable && delivery < u64::from(shared.max_deliveries) => {
-            let after = shared
-                .retry
-                .delay(u32::try_from(delivery).unwrap_or(u32::MAX));
+        Err(failure) if failure.retryable && shared.settings.redelivers(delivery) => {
+            let after = shared.settings.delay_after(delivery);
             redeliver(shared, &at, &failure, after).await;
         }
         Err(failure) => give_up(shared, &mut at, failure).await,
@@ -298,7 +318,7 @@ where
         Err(err) => return Err(database(&err)),
     }
     let handled = AssertUnwindSafe(shared.handler.handle(&mut tx, delivered)).catch_unwind();
-    let outcome = match shared.keep_alive {
+    let outcome = match shared.settings.keep_alive {
         None => handled.await,
         Some(every) => {
             tokio::pin!(handled);
@@ -359,7 +379,7 @@ async fn give_up<DB: OutboxDatabase, E, H>(
     at: &mut Origin<'_>,
     failure: Failure,
 ) {
-    let action = match &shared.dead_letter_subject {
+    let action = match &shared.settings.dead_letter_subject {
         None => FailureAction::Terminated,
         Some(subject) => match dead_letter(shared, at, &failure, subject).await {
             Ok(()) => FailureAction::DeadLettered,
@@ -372,11 +392,9 @@ async fn give_up<DB: OutboxDatabase, E, H>(
                     ),
                     true,
                 );
-                if at.delivery < u64::from(shared.max_deliveries) {
+                if shared.settings.redelivers(at.delivery) {
                     // Try the whole message again later rather than lose the copy.
-                    let after = shared
-                        .retry
-                        .delay(u32::try_from(at.delivery).unwrap_or(u32::MAX));
+                    let after = shared.settings.delay_after(at.delivery);
                     return redeliver(shared, at, &copy_failed, after).await;
                 }
                 report(shared, at, &copy_failed, FailureAction::Terminated);

@@ -1,7 +1,6 @@
 //! The delivery side of dispatching.
 
 use std::error::Error as StdError;
-use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,47 +28,14 @@ pub struct PublishError {
     source: BoxError,
 }
 
-impl PublishError {
-    /// A failure that may pass on a later attempt (timeouts, broken connections, no
-    /// responders, a stream not created yet).
-    pub fn retryable(source: impl Into<BoxError>) -> Self {
-        Self {
-            retryable: true,
-            source: source.into(),
-        }
-    }
-
-    /// A failure that no retry will fix (payload larger than the server allows, an invalid
-    /// subject): the row goes straight to `dead`.
-    pub fn permanent(source: impl Into<BoxError>) -> Self {
-        Self {
-            retryable: false,
-            source: source.into(),
-        }
-    }
-
-    /// Whether a later attempt may succeed.
-    pub fn is_retryable(&self) -> bool {
-        self.retryable
-    }
-
-    /// The underlying error.
-    pub fn source_error(&self) -> &(dyn StdError + Send + Sync + 'static) {
-        &*self.source
-    }
-
-    /// The error and its whole cause chain, `outer: inner: innermost` — what is stored in
-    /// `last_error` (upstream stores only a generic message).
-    pub fn chain(&self) -> String {
-        crate::chain::error_chain(&*self.source)
-    }
-}
-
-impl fmt::Display for PublishError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(&self.source, f)
-    }
-}
+crate::chain::retry_classified!(
+    PublishError,
+    retryable: "A failure that may pass on a later attempt (timeouts, broken connections, no \
+                responders, a stream not created yet).",
+    permanent: "A failure that no retry will fix (payload larger than the server allows, an \
+                invalid subject): the row goes straight to `dead`. Its [`chain`](Self::chain) \
+                is what is stored in `last_error` (upstream stores only a generic message)."
+);
 
 impl StdError for PublishError {
     fn source(&self) -> Option<&(dyn StdError + 'static)> {
