@@ -280,7 +280,7 @@ pub(crate) mod sealed {
             record: &'a PreparedOutboxRecord,
         ) -> impl Future<Output = Result<OutboxMessage>> + Send + 'a {
             async move {
-                let row = Self::fetch_by_id(conn, &sql.select_by_id, &record.id)
+                let row = Self::fetch_by_id(conn, &sql.text.select_by_id, &record.id)
                     .await
                     .map_err(|source| Error::Enqueue {
                         id: record.id.clone(),

@@ -45,43 +45,66 @@ pub struct SqlStatements {
     pub(crate) notify_channel: Arc<str>,
     /// Whether Postgres enqueues send `NOTIFY` (see [`Outbox::without_notify`](crate::Outbox::without_notify)).
     pub(crate) notify: bool,
+    /// The statements themselves, in the dialect's words.
+    pub(crate) text: Texts,
+}
+
+/// Declares [`Texts`]: every statement is a shared text (`Arc<str>`, handed to each query
+/// without a copy), one field per name.
+macro_rules! texts {
+    ($($(#[$doc:meta])* $name:ident,)*) => {
+        /// The statements that differ by dialect, written by its `statements` function.
+        #[derive(Debug, Clone)]
+        // Without a driver, nothing sends the dispatch statements.
+        #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+        pub(crate) struct Texts {
+            $($(#[$doc])* pub(crate) $name: Arc<str>,)*
+        }
+    };
+}
+
+texts! {
     /// One row; on Postgres also notifies ($14 = channel, NULL for none).
-    pub(crate) enqueue: Arc<str>,
+    enqueue,
     /// One stored row by id, [`COLUMNS`] in order.
-    pub(crate) select_by_id: Arc<str>,
-    pub(crate) inbox_insert: Arc<str>,
+    select_by_id,
+    inbox_insert,
     /// Fenced by the claim token, like every mark below.
-    pub(crate) mark_dispatched: Arc<str>,
+    mark_dispatched,
     /// `mark_dispatched` storing an outcome per row (events have none: the plain form saves
     /// the per-row lookup).
-    pub(crate) mark_dispatched_with_outcomes: Arc<str>,
+    mark_dispatched_with_outcomes,
     /// Many rows, each `failed` or `dead`; returns the ids marked.
-    pub(crate) mark_failures: Arc<str>,
+    mark_failures,
     /// Ids, token, lease.
-    pub(crate) extend_lease: Arc<str>,
+    extend_lease,
     /// Ids, token.
-    pub(crate) release: Arc<str>,
+    release,
     /// An operator's retry of one `failed` or `dead` row not under a live lease.
-    pub(crate) retry: Arc<str>,
+    retry,
     /// Moves rows no claim can finish to `dead`; returns (id, reason).
-    pub(crate) sweep_unfinishable: Arc<str>,
+    sweep_unfinishable,
     /// Seconds until the next row is due (NULL when no row is open).
-    pub(crate) next_due_in: Arc<str>,
+    next_due_in,
     /// Deletes up to a limit of `dispatched` rows last updated before an age (age, limit).
-    pub(crate) purge_dispatched: Arc<str>,
+    purge_dispatched,
     /// Deletes up to a limit of inbox rows received before an age (age, limit).
-    pub(crate) purge_inbox: Arc<str>,
+    purge_inbox,
 }
 
 impl SqlStatements {
     pub(crate) fn new(dialect: Dialect, tables: &OutboxTables, notify: bool) -> Self {
-        let statements = match dialect {
+        let text = match dialect {
             Dialect::Postgres => crate::postgres::sql::statements(tables),
             Dialect::Sqlite => crate::sqlite::sql::statements(tables),
         };
         Self {
-            notify: notify && statements.notify,
-            ..statements
+            dialect,
+            outbox_table: tables.outbox().into(),
+            notify_channel: notify_channel(tables).into(),
+            // Only Postgres has `NOTIFY`.
+            notify: notify && dialect == Dialect::Postgres,
+            text,
         }
     }
 
@@ -93,7 +116,7 @@ impl SqlStatements {
     /// The single-row enqueue: upstream's `INSERT … ON CONFLICT … DO NOTHING`; on Postgres
     /// wrapped so that an inserted row also notifies [`SqlStatements::notify_channel`].
     pub fn enqueue(&self) -> &str {
-        &self.enqueue
+        &self.text.enqueue
     }
 
     /// The Postgres `LISTEN`/`NOTIFY` channel that enqueues on this outbox notify:
@@ -117,12 +140,12 @@ impl SqlStatements {
 
     /// Reads one stored row by id (used when an enqueue hits an existing id).
     pub fn select_by_id(&self) -> &str {
-        &self.select_by_id
+        &self.text.select_by_id
     }
 
     /// The inbox insert: upstream's statement; its affected-row count decides the receipt.
     pub fn inbox_insert(&self) -> &str {
-        &self.inbox_insert
+        &self.text.inbox_insert
     }
 }
 

@@ -110,7 +110,7 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
     /// ```
     pub async fn purge_dispatched(&self, older_than: Duration, batch: usize) -> Result<u64> {
         self.purge(
-            &self.sql.purge_dispatched,
+            &self.sql.text.purge_dispatched,
             older_than,
             batch,
             "purge dispatched rows",
@@ -127,8 +127,13 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
     ///
     /// As [`purge_dispatched`](Self::purge_dispatched).
     pub async fn purge_inbox(&self, older_than: Duration, batch: usize) -> Result<u64> {
-        self.purge(&self.sql.purge_inbox, older_than, batch, "purge inbox rows")
-            .await
+        self.purge(
+            &self.sql.text.purge_inbox,
+            older_than,
+            batch,
+            "purge inbox rows",
+        )
+        .await
     }
 
     async fn purge(
@@ -222,7 +227,7 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
     async fn extend_lease(&self, claim: &Claim, ids: &[&str], lease: Duration) -> Result<u64> {
         self.update_leases(
             "extend lease",
-            &self.sql.extend_lease,
+            &self.sql.text.extend_lease,
             claim,
             ids,
             Some(lease),
@@ -231,7 +236,7 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
     }
 
     async fn release(&self, claim: &Claim, ids: &[&str]) -> Result<u64> {
-        self.update_leases("release", &self.sql.release, claim, ids, None)
+        self.update_leases("release", &self.sql.text.release, claim, ids, None)
             .await
     }
 
@@ -248,7 +253,7 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
     }
 
     async fn next_due_in(&self) -> Result<Option<Duration>> {
-        let seconds = DB::fetch_seconds(&self.pool, &self.sql.next_due_in)
+        let seconds = DB::fetch_seconds(&self.pool, &self.sql.text.next_due_in)
             .await
             .map_err(Error::repository("next due"))?;
         Ok(seconds.map(due_in))

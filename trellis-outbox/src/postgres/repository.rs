@@ -69,7 +69,7 @@ impl RepositoryBackend for Postgres {
     async fn mark_dispatched(on: On<'_, Self>, token: &str, rows: &[Dispatched]) -> Result<u64> {
         let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
         let query = if rows.iter().all(|r| r.outcome.is_none()) {
-            sqlx::query(statement(&on.sql.mark_dispatched))
+            sqlx::query(statement(&on.sql.text.mark_dispatched))
                 .bind(ids)
                 .bind(token)
         } else {
@@ -77,7 +77,7 @@ impl RepositoryBackend for Postgres {
                 .iter()
                 .map(|r| r.outcome.as_ref().map(serde_json::Value::to_string))
                 .collect();
-            sqlx::query(statement(&on.sql.mark_dispatched_with_outcomes))
+            sqlx::query(statement(&on.sql.text.mark_dispatched_with_outcomes))
                 .bind(ids)
                 .bind(outcomes)
                 .bind(token)
@@ -108,7 +108,7 @@ impl RepositoryBackend for Postgres {
             delays.push(delay);
             adds.push(add);
         }
-        sqlx::query_scalar(statement(&on.sql.mark_failures))
+        sqlx::query_scalar(statement(&on.sql.text.mark_failures))
             .bind(ids)
             .bind(errors)
             .bind(delays)
@@ -120,7 +120,7 @@ impl RepositoryBackend for Postgres {
     }
 
     async fn retry(on: On<'_, Self>, id: &str) -> Result<RetryOutcome> {
-        let row = sqlx::query(statement(&on.sql.retry))
+        let row = sqlx::query(statement(&on.sql.text.retry))
             .bind(id)
             .fetch_optional(on.pool)
             .await
@@ -153,7 +153,7 @@ impl RepositoryBackend for Postgres {
 
     async fn sweep_unfinishable(on: On<'_, Self>) -> Result<Vec<PoisonRow>> {
         let rows: Vec<(String, Option<String>)> =
-            sqlx::query_as(statement(&on.sql.sweep_unfinishable))
+            sqlx::query_as(statement(&on.sql.text.sweep_unfinishable))
                 .fetch_all(on.pool)
                 .await
                 .map_err(Error::repository("sweep unfinishable rows"))?;

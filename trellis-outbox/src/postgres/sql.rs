@@ -7,17 +7,15 @@ use crate::sql::OPEN_STATES;
 /// The `next_attempt_at` of a `dead` row: far enough that an upstream Trellis dispatcher,
 /// which claims every undispatched row once it is due, never takes it.
 const NEVER: &str = "'9999-12-31 23:59:59.999+00'";
-use crate::sql::{COLUMNS, SqlStatements, notify_channel};
-use crate::tables::{Dialect, OutboxTables};
+#[cfg(feature = "postgres")]
+use crate::sql::SqlStatements;
+use crate::sql::{COLUMNS, Texts};
+use crate::tables::OutboxTables;
 
 /// The statements both dialects send, in Postgres' words.
-pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
+pub(crate) fn statements(tables: &OutboxTables) -> Texts {
     let (o, i) = (tables.outbox(), tables.inbox());
-    SqlStatements {
-        dialect: Dialect::Postgres,
-        outbox_table: o.into(),
-        notify_channel: notify_channel(tables).into(),
-        notify: true,
+    Texts {
         // Upstream's INSERT, wrapped so that a row actually inserted also sends a wake-up
         // notification ($14 = channel; NULL sends none) in the same round trip; Postgres
         // delivers it only when the transaction commits.

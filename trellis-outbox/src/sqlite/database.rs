@@ -55,7 +55,7 @@ impl Backend for Sqlite {
             id: record.id.clone(),
             source,
         };
-        let inserted = sqlx::query(statement(&sql.enqueue))
+        let inserted = sqlx::query(statement(&sql.text.enqueue))
             .bind(&record.id)
             .bind(record.kind.as_str())
             .bind(&record.name)

@@ -110,11 +110,14 @@ impl RepositoryBackend for Sqlite {
         // Events carry no outcome: the plain statement avoids a per-row JSON lookup.
         let (sql, list) = if rows.iter().all(|r| r.outcome.is_none()) {
             let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
-            (&on.sql.mark_dispatched, json_array(&ids)?)
+            (&on.sql.text.mark_dispatched, json_array(&ids)?)
         } else {
             let pairs: Vec<(&str, &Option<serde_json::Value>)> =
                 rows.iter().map(|r| (r.id.as_str(), &r.outcome)).collect();
-            (&on.sql.mark_dispatched_with_outcomes, json_array(&pairs)?)
+            (
+                &on.sql.text.mark_dispatched_with_outcomes,
+                json_array(&pairs)?,
+            )
         };
         let result = sqlx::query(statement(sql))
             .bind(list)
@@ -147,7 +150,7 @@ impl RepositoryBackend for Sqlite {
                 ),
             })
             .collect();
-        sqlx::query_scalar(statement(&on.sql.mark_failures))
+        sqlx::query_scalar(statement(&on.sql.text.mark_failures))
             .bind(json_array(&entries)?)
             .bind(token)
             .fetch_all(on.pool)
@@ -163,7 +166,7 @@ impl RepositoryBackend for Sqlite {
             .begin_with("BEGIN IMMEDIATE")
             .await
             .map_err(Error::repository("retry"))?;
-        let result = sqlx::query(statement(&on.sql.retry))
+        let result = sqlx::query(statement(&on.sql.text.retry))
             .bind(id)
             .execute(&mut *tx)
             .await
@@ -200,7 +203,7 @@ impl RepositoryBackend for Sqlite {
 
     async fn sweep_unfinishable(on: On<'_, Self>) -> Result<Vec<PoisonRow>> {
         let rows: Vec<(Vec<u8>, Option<Vec<u8>>)> =
-            sqlx::query_as(statement(&on.sql.sweep_unfinishable))
+            sqlx::query_as(statement(&on.sql.text.sweep_unfinishable))
                 .fetch_all(on.pool)
                 .await
                 .map_err(Error::repository("sweep unfinishable rows"))?;
