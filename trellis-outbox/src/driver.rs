@@ -313,10 +313,6 @@ pub(crate) mod sealed {
         /// The column names of an outbox table (none if it does not exist).
         const COLUMNS: &'static str;
 
-        /// Upgrades a Trellis 0.10 outbox table (column `event`, no `kind`, no `outcome`)
-        /// in place to version 1's columns, as upstream 0.11.0-rc.3 did.
-        fn upgrade_0_10(tables: &OutboxTables) -> Vec<String>;
-
         /// Begins the migration transaction, serialised against concurrent migrators.
         fn begin_migration(
             pool: &Pool<Self>,

@@ -124,10 +124,6 @@ impl MigrationBackend for Postgres {
     const COLUMNS: &'static str = "SELECT column_name::text FROM information_schema.columns \
          WHERE table_schema = current_schema() AND table_name = $1";
 
-    fn upgrade_0_10(tables: &crate::tables::OutboxTables) -> Vec<String> {
-        super::schema::upgrade_0_10(tables)
-    }
-
     async fn begin_migration(pool: &PgPool) -> sqlx::Result<Transaction<'static, Postgres>> {
         let mut tx = pool.begin().await?;
         // Serialises concurrent migrate calls; released at commit or rollback.

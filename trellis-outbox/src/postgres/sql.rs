@@ -6,7 +6,7 @@ use crate::sql::OPEN_STATES;
 
 /// The `next_attempt_at` of a `dead` row: far enough that an upstream Trellis dispatcher,
 /// which claims every undispatched row once it is due, never takes it.
-const NEVER: &str = "'9999-12-31 23:59:59.999+00'";
+pub(crate) const NEVER: &str = "'9999-12-31 23:59:59.999+00'";
 #[cfg(feature = "postgres")]
 use crate::sql::SqlStatements;
 use crate::sql::{COLUMNS, Texts};

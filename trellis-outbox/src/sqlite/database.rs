@@ -120,10 +120,6 @@ impl MigrationBackend for Sqlite {
         "SELECT version, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = ?";
     const COLUMNS: &'static str = "SELECT name FROM pragma_table_info(?)";
 
-    fn upgrade_0_10(tables: &crate::tables::OutboxTables) -> Vec<String> {
-        super::schema::upgrade_0_10(tables)
-    }
-
     async fn begin_migration(pool: &SqlitePool) -> sqlx::Result<Transaction<'static, Sqlite>> {
         // BEGIN IMMEDIATE takes the write lock up front, serialising concurrent callers.
         pool.begin_with("BEGIN IMMEDIATE").await

@@ -16,7 +16,7 @@ const NOW: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')";
 
 /// The `next_attempt_at` of a `dead` row: far enough that an upstream Trellis dispatcher,
 /// which claims every undispatched row once it is due, never takes it.
-const NEVER: &str = "'9999-12-31T23:59:59.999Z'";
+pub(crate) const NEVER: &str = "'9999-12-31T23:59:59.999Z'";
 
 /// The statements both dialects send, in SQLite's words.
 pub(crate) fn statements(tables: &OutboxTables) -> Texts {
