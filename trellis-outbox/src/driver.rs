@@ -6,17 +6,16 @@
 //! is sealed: users name [`OutboxDatabase`] in bounds but cannot implement or call it.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::{Database, Decode, Encode, Executor, Pool, Transaction, Type};
+use sqlx::{Encode, Pool, Transaction, Type};
 
 use crate::dispatch::{Claim, Dispatched, Failure, PoisonRow, RetryOutcome};
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
 use crate::row::existing_row;
-use crate::sql::{SqlStatements, statement};
+use crate::sql::SqlStatements;
 use crate::tables::{Dialect, OutboxTables};
 
 /// A database trellis-outbox can store outboxes in: [`sqlx::Postgres`] and [`sqlx::Sqlite`].
@@ -32,201 +31,14 @@ impl OutboxDatabase for sqlx::Postgres {}
 #[cfg(feature = "sqlite")]
 impl OutboxDatabase for sqlx::Sqlite {}
 
+mod queries;
+
 pub(crate) mod sealed {
     use super::*;
 
-    /// A boxed future: the [`Queries`] futures are generic over sqlx's higher-ranked bounds,
-    /// which rustc cannot always prove `Send` through when a caller's future holds one; boxing
-    /// states it once. They run once per statement, not per row.
-    pub(crate) type Boxed<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+    pub(crate) use super::queries::Queries;
 
     // The types in these signatures are public in this private module: nameable by no user.
-
-    /// Statements run the same way on every database: written once, for any sqlx database
-    /// that binds text and integers and runs queries on its connections. A supertrait of the
-    /// driver traits, so that generic code over [`OutboxDatabase`](super::OutboxDatabase)
-    /// may call it without naming sqlx's bounds.
-    pub trait Queries: Database {
-        /// Runs `sql` binding `ids`, `token` and then `value` if any (a fenced update of
-        /// rows) and returns how many rows it changed.
-        fn mark_rows<'a, I, V>(
-            pool: &'a Pool<Self>,
-            sql: &'a Arc<str>,
-            ids: I,
-            token: &'a str,
-            value: Option<V>,
-        ) -> Boxed<'a, sqlx::Result<u64>>
-        where
-            I: for<'q> Encode<'q, Self> + Type<Self> + Send + 'a,
-            V: for<'q> Encode<'q, Self> + Type<Self> + Send + 'a;
-
-        /// Runs `sql`, which answers one nullable number.
-        fn fetch_seconds<'a>(
-            pool: &'a Pool<Self>,
-            sql: &'a Arc<str>,
-        ) -> Boxed<'a, sqlx::Result<Option<f64>>>;
-
-        /// Runs `sql` binding an age in seconds and a limit; the rows it deleted.
-        fn delete_older<'a>(
-            pool: &'a Pool<Self>,
-            sql: &'a Arc<str>,
-            seconds: f64,
-            limit: i64,
-        ) -> Boxed<'a, sqlx::Result<u64>>;
-
-        /// Runs `sql` binding `first` and `second`; the rows it changed.
-        fn execute_pair<'a, V>(
-            conn: &'a mut Self::Connection,
-            sql: &'a Arc<str>,
-            first: &'a str,
-            second: V,
-        ) -> Boxed<'a, sqlx::Result<u64>>
-        where
-            V: for<'q> Encode<'q, Self> + Type<Self> + Send + 'a;
-
-        /// Runs `sql` binding `id`; the row it returns, if any.
-        fn fetch_by_id<'a>(
-            conn: &'a mut Self::Connection,
-            sql: &'a Arc<str>,
-            id: &'a str,
-        ) -> Boxed<'a, sqlx::Result<Option<Self::Row>>>;
-
-        /// `(version, id, checksum)` of the migrations `sql` reads for `outbox`.
-        fn fetch_migrations<'a>(
-            tx: &'a mut Transaction<'static, Self>,
-            sql: &'static str,
-            outbox: &'a str,
-        ) -> Boxed<'a, sqlx::Result<Vec<(i64, String, String)>>>;
-
-        /// Runs one DDL statement.
-        fn run_ddl<'a>(
-            tx: &'a mut Transaction<'static, Self>,
-            statement: &'a str,
-        ) -> Boxed<'a, sqlx::Result<()>>;
-
-        /// The single text column of every row `sql` returns for `outbox`.
-        fn fetch_names<'a>(
-            tx: &'a mut Transaction<'static, Self>,
-            sql: &'static str,
-            outbox: &'a str,
-        ) -> Boxed<'a, sqlx::Result<Vec<String>>>;
-    }
-
-    impl<DB> Queries for DB
-    where
-        DB: Database,
-        DB::Arguments: sqlx::IntoArguments<DB>,
-        for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
-        for<'q> &'q str: Encode<'q, DB> + Type<DB>,
-        for<'q> i32: Encode<'q, DB> + Type<DB>,
-        for<'q> i64: Encode<'q, DB> + Type<DB>,
-        for<'q> f64: Encode<'q, DB> + Type<DB>,
-        for<'r> Option<f64>: Decode<'r, DB> + Type<DB>,
-        for<'r> (i64, String, String): sqlx::FromRow<'r, DB::Row>,
-        for<'r> String: Decode<'r, DB> + Type<DB>,
-        usize: sqlx::ColumnIndex<DB::Row>,
-        DB::QueryResult: RowsAffected,
-    {
-        fn mark_rows<'a, I, V>(
-            pool: &'a Pool<Self>,
-            sql: &'a Arc<str>,
-            ids: I,
-            token: &'a str,
-            value: Option<V>,
-        ) -> Boxed<'a, sqlx::Result<u64>>
-        where
-            I: for<'q> Encode<'q, Self> + Type<Self> + Send + 'a,
-            V: for<'q> Encode<'q, Self> + Type<Self> + Send + 'a,
-        {
-            Box::pin(async move {
-                let mut query = sqlx::query(statement(sql)).bind(ids).bind(token);
-                if let Some(value) = value {
-                    query = query.bind(value);
-                }
-                Ok(query.execute(pool).await?.rows_affected())
-            })
-        }
-
-        fn fetch_seconds<'a>(
-            pool: &'a Pool<Self>,
-            sql: &'a Arc<str>,
-        ) -> Boxed<'a, sqlx::Result<Option<f64>>> {
-            Box::pin(async move { sqlx::query_scalar(statement(sql)).fetch_one(pool).await })
-        }
-
-        fn delete_older<'a>(
-            pool: &'a Pool<Self>,
-            sql: &'a Arc<str>,
-            seconds: f64,
-            limit: i64,
-        ) -> Boxed<'a, sqlx::Result<u64>> {
-            Box::pin(async move {
-                let query = sqlx::query(statement(sql)).bind(seconds).bind(limit);
-                Ok(query.execute(pool).await?.rows_affected())
-            })
-        }
-
-        fn execute_pair<'a, V>(
-            conn: &'a mut Self::Connection,
-            sql: &'a Arc<str>,
-            first: &'a str,
-            second: V,
-        ) -> Boxed<'a, sqlx::Result<u64>>
-        where
-            V: for<'q> Encode<'q, Self> + Type<Self> + Send + 'a,
-        {
-            Box::pin(async move {
-                let query = sqlx::query(statement(sql)).bind(first).bind(second);
-                Ok(query.execute(&mut *conn).await?.rows_affected())
-            })
-        }
-
-        fn fetch_by_id<'a>(
-            conn: &'a mut Self::Connection,
-            sql: &'a Arc<str>,
-            id: &'a str,
-        ) -> Boxed<'a, sqlx::Result<Option<Self::Row>>> {
-            Box::pin(async move {
-                sqlx::query(statement(sql))
-                    .bind(id)
-                    .fetch_optional(&mut *conn)
-                    .await
-            })
-        }
-
-        fn fetch_migrations<'a>(
-            tx: &'a mut Transaction<'static, Self>,
-            sql: &'static str,
-            outbox: &'a str,
-        ) -> Boxed<'a, sqlx::Result<Vec<(i64, String, String)>>> {
-            Box::pin(async move { sqlx::query_as(sql).bind(outbox).fetch_all(&mut **tx).await })
-        }
-
-        fn run_ddl<'a>(
-            tx: &'a mut Transaction<'static, Self>,
-            statement: &'a str,
-        ) -> Boxed<'a, sqlx::Result<()>> {
-            Box::pin(async move {
-                sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
-                    .execute(&mut **tx)
-                    .await?;
-                Ok(())
-            })
-        }
-
-        fn fetch_names<'a>(
-            tx: &'a mut Transaction<'static, Self>,
-            sql: &'static str,
-            outbox: &'a str,
-        ) -> Boxed<'a, sqlx::Result<Vec<String>>> {
-            Box::pin(async move {
-                sqlx::query_scalar(sql)
-                    .bind(outbox)
-                    .fetch_all(&mut **tx)
-                    .await
-            })
-        }
-    }
 
     /// What a repository hook runs on: the pool and the statements.
     #[derive(Debug)]
