@@ -124,18 +124,14 @@ pub(crate) mod sealed {
         const RECORDED: &'static str;
         /// The column names of an outbox table (none if it does not exist).
         const COLUMNS: &'static str;
+        /// Records a migration as applied to an outbox table: binds the table, the version,
+        /// the migration's id and its checksum.
+        const RECORD: &'static str;
 
         /// Begins the migration transaction, serialised against concurrent migrators.
         fn begin_migration(
             pool: &Pool<Self>,
         ) -> impl Future<Output = sqlx::Result<Transaction<'static, Self>>> + Send;
-
-        /// Records a migration as applied to `outbox`.
-        fn record_migration<'a>(
-            tx: &'a mut Transaction<'static, Self>,
-            outbox: &'a str,
-            migration: Applied<'a>,
-        ) -> impl Future<Output = sqlx::Result<()>> + Send + 'a;
     }
 
     /// Dispatch: what [`SqlOutboxRepository`](crate::SqlOutboxRepository) asks of a database.

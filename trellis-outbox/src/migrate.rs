@@ -258,7 +258,7 @@ pub async fn migrate_with<DB: OutboxDatabase>(
             id: &m.id,
             checksum: &m.checksum,
         };
-        DB::record_migration(&mut tx, tables.outbox(), applied)
+        DB::record_migration(&mut tx, DB::RECORD, tables.outbox(), applied)
             .await
             .map_err(migrate_error(&m.id))?;
         tracing::info!(migration = %m.id, "applied outbox migration");

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use sqlx::{Database, Decode, Encode, Executor, Pool, Transaction, Type};
 
-use super::sealed::RowsAffected;
+use super::sealed::{Applied, RowsAffected};
 use crate::sql::statement;
 
 /// A boxed future: the [`Queries`] futures are generic over sqlx's higher-ranked bounds,
@@ -123,6 +123,23 @@ queries! {
         outbox: &'a str,
     ) -> sqlx::Result<Vec<(i64, String, String)>> {
         sqlx::query_as(sql).bind(outbox).fetch_all(&mut **tx).await
+    }
+
+    /// Runs `sql`, which records `migration` as applied to `outbox`.
+    fn record_migration<'a>(
+        tx: &'a mut Transaction<'static, Self>,
+        sql: &'static str,
+        outbox: &'a str,
+        migration: Applied<'a>,
+    ) -> sqlx::Result<()> {
+        sqlx::query(sql)
+            .bind(outbox)
+            .bind(i32::try_from(migration.version).unwrap_or(i32::MAX))
+            .bind(migration.id)
+            .bind(migration.checksum)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
     }
 
     /// Runs one DDL statement.

@@ -8,7 +8,7 @@ use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, PgPool, Postgres, Transaction};
 
 use super::sql;
-use crate::driver::sealed::{Applied, Backend, MigrationBackend, RowsAffected};
+use crate::driver::sealed::{Backend, MigrationBackend, RowsAffected};
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
 use crate::row::{batch_result, first_id, headers_json, read};
@@ -123,6 +123,8 @@ impl MigrationBackend for Postgres {
         "SELECT version::int8, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = $1";
     const COLUMNS: &'static str = "SELECT column_name::text FROM information_schema.columns \
          WHERE table_schema = current_schema() AND table_name = $1";
+    /// The database's clock writes `applied_at`.
+    const RECORD: &'static str = "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum) VALUES ($1, $2, $3, $4)";
 
     async fn begin_migration(pool: &PgPool) -> sqlx::Result<Transaction<'static, Postgres>> {
         let mut tx = pool.begin().await?;
@@ -132,23 +134,6 @@ impl MigrationBackend for Postgres {
             .execute(&mut *tx)
             .await?;
         Ok(tx)
-    }
-
-    async fn record_migration(
-        tx: &mut Transaction<'static, Postgres>,
-        outbox: &str,
-        migration: Applied<'_>,
-    ) -> sqlx::Result<()> {
-        sqlx::query(
-            "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum) VALUES ($1, $2, $3, $4)",
-        )
-            .bind(outbox)
-            .bind(i32::try_from(migration.version).unwrap_or(i32::MAX))
-            .bind(migration.id)
-            .bind(migration.checksum)
-            .execute(&mut **tx)
-            .await?;
-        Ok(())
     }
 }
 

@@ -9,7 +9,7 @@ use sqlx::sqlite::{SqliteConnection, SqliteQueryResult, SqliteRow};
 use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool, Transaction};
 
 use super::sql;
-use crate::driver::sealed::{Applied, Backend, MigrationBackend, RowsAffected};
+use crate::driver::sealed::{Backend, MigrationBackend, RowsAffected};
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
 use crate::row::{RawRow, batch_result, first_id, get, headers_json, read};
@@ -119,28 +119,12 @@ impl MigrationBackend for Sqlite {
     const RECORDED: &'static str =
         "SELECT version, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = ?";
     const COLUMNS: &'static str = "SELECT name FROM pragma_table_info(?)";
+    /// SQLite's clock writes `applied_at` ([`format_timestamp`]'s format).
+    const RECORD: &'static str = "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum, applied_at) VALUES (?, ?, ?, ?, strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))";
 
     async fn begin_migration(pool: &SqlitePool) -> sqlx::Result<Transaction<'static, Sqlite>> {
         // BEGIN IMMEDIATE takes the write lock up front, serialising concurrent callers.
         pool.begin_with("BEGIN IMMEDIATE").await
-    }
-
-    async fn record_migration(
-        tx: &mut Transaction<'static, Sqlite>,
-        outbox: &str,
-        migration: Applied<'_>,
-    ) -> sqlx::Result<()> {
-        sqlx::query(
-            "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum, applied_at) VALUES (?, ?, ?, ?, ?)",
-        )
-            .bind(outbox)
-            .bind(i64::from(migration.version))
-            .bind(migration.id)
-            .bind(migration.checksum)
-            .bind(format_timestamp(now_millis()))
-            .execute(&mut **tx)
-            .await?;
-        Ok(())
     }
 }
 
