@@ -5,18 +5,20 @@
 //! [`OutboxDatabase`] and never name a driver; the drivers never call a front end. Each trait
 //! is sealed: users name [`OutboxDatabase`] in bounds but cannot implement or call it.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::{Encode, Pool, Transaction, Type};
+use sqlx::{Database, Encode, Pool, Transaction, Type};
 
 use crate::dispatch::{Claim, Dispatched, Failure, PoisonRow, RetryOutcome};
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
-use crate::row::existing_row;
+use crate::row::{batch_result, existing_row};
 use crate::sql::SqlStatements;
 use crate::tables::{Dialect, OutboxTables};
+use crate::time::now_millis;
 
 /// A database trellis-outbox can store outboxes in: [`sqlx::Postgres`] and [`sqlx::Sqlite`].
 ///
@@ -72,7 +74,28 @@ pub(crate) mod sealed {
         fn rows_affected(&self) -> u64;
     }
 
+    /// What an enqueue step runs on: the caller's connection, the statements, and the time
+    /// the records are enqueued at.
+    #[derive(Debug)]
+    pub struct Enqueue<'a, DB: Database> {
+        pub conn: &'a mut DB::Connection,
+        pub sql: &'a SqlStatements,
+        pub now: DateTime<Utc>,
+    }
+
+    impl<'a, DB: Database> Enqueue<'a, DB> {
+        /// An enqueue at the current time (millisecond precision, as stored).
+        fn new(conn: &'a mut DB::Connection, sql: &'a SqlStatements) -> Self {
+            let now = now_millis();
+            Self { conn, sql, now }
+        }
+    }
+
     /// Enqueue and inbox: what [`Outbox`](crate::Outbox) asks of a database.
+    ///
+    /// Each driver writes the statements of an enqueue ([`insert_row`](Self::insert_row),
+    /// [`insert_rows`](Self::insert_rows), [`read_stored`](Self::read_stored)); what an
+    /// enqueue returns is decided here, once.
     pub trait Backend: Queries {
         const DIALECT: Dialect;
 
@@ -84,6 +107,26 @@ pub(crate) mod sealed {
         /// Decodes a row that selected [`COLUMNS`](crate::sql::COLUMNS) first, in order.
         fn decode(row: &Self::Row) -> Result<OutboxMessage>;
 
+        /// Runs the single-row `enqueue` of `record`, a `pending` row at `on.now`: whether it
+        /// inserted the row (false: a row with its id exists).
+        fn insert_row<'a>(
+            on: &'a mut Enqueue<'_, Self>,
+            record: &'a PreparedOutboxRecord,
+        ) -> impl Future<Output = Result<bool>> + Send + 'a;
+
+        /// Inserts `records` in as few statements as the database's limits allow; how many
+        /// rows were inserted.
+        fn insert_rows<'a>(
+            on: &'a mut Enqueue<'_, Self>,
+            records: &'a [PreparedOutboxRecord],
+        ) -> impl Future<Output = Result<u64>> + Send + 'a;
+
+        /// The stored rows of `ids`, by id.
+        fn read_stored<'a>(
+            on: &'a mut Enqueue<'_, Self>,
+            ids: Vec<String>,
+        ) -> impl Future<Output = Result<BTreeMap<String, OutboxMessage>>> + Send + 'a;
+
         /// What an enqueue of `record` returns when its insert wrote nothing: the stored row
         /// with its id, if its content is the record's ([`existing_row`]).
         fn stored<'a>(
@@ -94,26 +137,44 @@ pub(crate) mod sealed {
             async move {
                 let row = Self::fetch_by_id(conn, &sql.text.select_by_id, &record.id)
                     .await
-                    .map_err(|source| Error::Enqueue {
-                        id: record.id.clone(),
-                        source,
-                    })?;
+                    .map_err(Error::enqueue(&record.id))?;
                 let stored = row.as_ref().map(Self::decode).transpose()?;
                 existing_row(record, stored.as_ref())
             }
         }
 
+        /// Writes `record`; the row as stored: the record itself, or the row with its id if
+        /// its content is the record's ([`stored`](Self::stored)).
         fn insert_one<'a>(
             conn: &'a mut Self::Connection,
             sql: &'a SqlStatements,
             record: PreparedOutboxRecord,
-        ) -> impl Future<Output = Result<OutboxMessage>> + Send + 'a;
+        ) -> impl Future<Output = Result<OutboxMessage>> + Send + 'a {
+            async move {
+                let mut on = Enqueue::new(conn, sql);
+                if Self::insert_row(&mut on, &record).await? {
+                    return Ok(OutboxMessage::pending(record, on.now));
+                }
+                Self::stored(on.conn, sql, &record).await
+            }
+        }
 
+        /// Writes `records`; the rows as stored, in input order ([`batch_result`]).
         fn insert_many<'a>(
             conn: &'a mut Self::Connection,
             sql: &'a SqlStatements,
             records: Vec<PreparedOutboxRecord>,
-        ) -> impl Future<Output = Result<Vec<OutboxMessage>>> + Send + 'a;
+        ) -> impl Future<Output = Result<Vec<OutboxMessage>>> + Send + 'a {
+            async move {
+                let mut on = Enqueue::new(conn, sql);
+                let inserted = Self::insert_rows(&mut on, &records).await?;
+                let now = on.now;
+                batch_result(records, inserted, now, |ids| {
+                    Self::read_stored(&mut on, ids)
+                })
+                .await
+            }
+        }
     }
 
     /// Schema migrations: what [`migrate`](crate::migrate()) asks of a database.

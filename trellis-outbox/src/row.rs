@@ -5,6 +5,7 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
+use sqlx::query::Query;
 
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
@@ -316,8 +317,26 @@ pub(crate) fn headers_json(record: &PreparedOutboxRecord) -> Result<String> {
 }
 
 /// The id of a batch's first record, naming a failed batch insert.
-pub(crate) fn first_id(batch: &[PreparedOutboxRecord]) -> String {
-    batch.first().map(|r| r.id.clone()).unwrap_or_default()
+pub(crate) fn first_id(batch: &[PreparedOutboxRecord]) -> &str {
+    batch.first().map_or("", |r| &r.id)
+}
+
+/// Binds what a record says of itself, the first five [`COLUMNS`](crate::sql::COLUMNS): id,
+/// kind, name, subject and payload.
+pub(crate) fn bind_content<'q, DB>(
+    query: Query<'q, DB, DB::Arguments>,
+    record: &PreparedOutboxRecord,
+) -> Query<'q, DB, DB::Arguments>
+where
+    DB: sqlx::Database,
+    for<'t> &'t str: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+{
+    query
+        .bind(record.id.as_str())
+        .bind(record.kind.as_str())
+        .bind(record.name.as_str())
+        .bind(record.subject.as_str())
+        .bind(record.payload.as_str())
 }
 
 #[cfg(test)]

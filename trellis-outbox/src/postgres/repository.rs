@@ -6,11 +6,10 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::{Postgres, Row};
 
-use super::database::decode;
 use super::sql::PgOnly;
 use crate::dispatch::{Claim, Dispatched, Failure, FailureOutcome, PoisonRow, RetryOutcome};
 use crate::driver::sealed::On;
-use crate::driver::sealed::RepositoryBackend;
+use crate::driver::sealed::{Backend, RepositoryBackend};
 use crate::driver::sql_seconds;
 use crate::error::{Error, Result};
 use crate::record::new_id;
@@ -62,7 +61,7 @@ impl RepositoryBackend for Postgres {
             .try_get("claim_cutoff")
             .map_err(|e| Error::decode("", "claim_cutoff", e))?;
         let mut claim = Claim::empty(token, cutoff);
-        claim.extend(&rows, decode, |row| row.try_get("id").ok());
+        claim.extend(&rows, Self::decode, |row| row.try_get("id").ok());
         Ok(claim)
     }
 

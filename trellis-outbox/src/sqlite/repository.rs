@@ -7,11 +7,11 @@ use chrono::{DateTime, Utc};
 use sqlx::sqlite::SqliteRow;
 use sqlx::{AssertSqlSafe, Row, Sqlite};
 
-use super::database::{decode, decode_claimed};
+use super::database::decode_claimed;
 use super::sql::{CLAIM_COLUMN_COUNT, SqliteOnly};
 use crate::dispatch::{Claim, Dispatched, Failure, FailureOutcome, PoisonRow, RetryOutcome};
 use crate::driver::sealed::On;
-use crate::driver::sealed::RepositoryBackend;
+use crate::driver::sealed::{Backend, RepositoryBackend};
 use crate::driver::sql_seconds;
 use crate::error::{Error, Result};
 use crate::record::new_id;
@@ -102,7 +102,7 @@ impl RepositoryBackend for Sqlite {
         };
         // Also puts every message in dispatch order: RETURNING does not keep the claim
         // subquery's order.
-        claim.extend(&unread, decode, |row| row.try_get(0).ok());
+        claim.extend(&unread, Self::decode, |row| row.try_get(0).ok());
         Ok(claim)
     }
 
