@@ -12,7 +12,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::{Database, Encode, Pool, Transaction, Type};
 
-use crate::dispatch::{Claim, Dispatched, Failure, PoisonRow, RetryOutcome};
+use crate::dispatch::{Claim, Dispatched, Failure, RetryOutcome};
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
 use crate::row::{batch_result, existing_row};
@@ -38,7 +38,7 @@ mod queries;
 pub(crate) mod sealed {
     use super::*;
 
-    pub(crate) use super::queries::Queries;
+    pub(crate) use super::queries::{Column, Queries};
 
     // The types in these signatures are public in this private module: nameable by no user.
 
@@ -195,7 +195,9 @@ pub(crate) mod sealed {
         ) -> impl Future<Output = sqlx::Result<Transaction<'static, Self>>> + Send;
     }
 
-    /// Dispatch: what [`SqlOutboxRepository`](crate::SqlOutboxRepository) asks of a database.
+    /// Dispatch: what [`SqlOutboxRepository`](crate::SqlOutboxRepository) asks of a database:
+    /// the statements it sends its own way. Marking rows dispatched, lease updates, the sweep
+    /// and retention run alike ([`Queries`]) over what these types bind and read.
     pub trait RepositoryBackend: Backend {
         /// The statements only this database sends, next to its [`SqlStatements`].
         type Only: std::fmt::Debug + Send + Sync + 'static;
@@ -203,6 +205,10 @@ pub(crate) mod sealed {
         type Interval: for<'q> Encode<'q, Self> + Type<Self> + Send + 'static;
         /// A list of ids as this database binds it.
         type Ids<'a>: for<'q> Encode<'q, Self> + Type<Self> + Send + 'a;
+        /// The outcomes `mark_dispatched_with_outcomes` binds after the token, if any.
+        type Outcomes: for<'q> Encode<'q, Self> + Type<Self> + Send + 'static;
+        /// Text as this database returns it from rows other writers may have written.
+        type Text: Column<Self>;
 
         /// Whether the dispatcher may overlap batches
         /// ([`OutboxRepository::overlaps_batches`](crate::OutboxRepository::overlaps_batches)).
@@ -214,18 +220,21 @@ pub(crate) mod sealed {
 
         fn ids<'a>(ids: &'a [&'a str]) -> Result<Self::Ids<'a>>;
 
+        /// What `mark_dispatched_with_outcomes` binds for `rows` (whose ids are `ids`): the
+        /// list before the token and the outcomes after it, if they are not in the list.
+        fn outcomes<'a>(
+            ids: &'a [&'a str],
+            rows: &'a [Dispatched],
+        ) -> Result<(Self::Ids<'a>, Option<Self::Outcomes>)>;
+
+        fn text(text: Self::Text) -> String;
+
         fn claim_due<'a>(
             on: On<'a, Self>,
             limit: usize,
             lease: Duration,
             cutoff: Option<DateTime<Utc>>,
         ) -> impl Future<Output = Result<Claim>> + Send + 'a;
-
-        fn mark_dispatched<'a>(
-            on: On<'a, Self>,
-            token: &'a str,
-            rows: &'a [Dispatched],
-        ) -> impl Future<Output = Result<u64>> + Send + 'a;
 
         fn mark_failures<'a>(
             on: On<'a, Self>,
@@ -237,10 +246,6 @@ pub(crate) mod sealed {
             on: On<'a, Self>,
             id: &'a str,
         ) -> impl Future<Output = Result<RetryOutcome>> + Send + 'a;
-
-        fn sweep_unfinishable<'a>(
-            on: On<'a, Self>,
-        ) -> impl Future<Output = Result<Vec<PoisonRow>>> + Send + 'a;
     }
 }
 

@@ -210,7 +210,17 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
         if rows.is_empty() {
             return Ok(0);
         }
-        DB::mark_dispatched(self.on(), &claim.token, rows).await
+        let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
+        let (sql, list, outcomes) = if rows.iter().all(|r| r.outcome.is_none()) {
+            // Events carry no outcome: the plain statement saves the per-row lookup.
+            (&self.sql.text.mark_dispatched, DB::ids(&ids)?, None)
+        } else {
+            let (list, outcomes) = DB::outcomes(&ids, rows)?;
+            (&self.sql.text.mark_dispatched_with_outcomes, list, outcomes)
+        };
+        DB::mark_rows(&self.pool, sql, list, &claim.token, outcomes)
+            .await
+            .map_err(Error::repository("mark dispatched"))
     }
 
     async fn mark_failures(&self, claim: &Claim, failures: &[Failure]) -> Result<Vec<String>> {
@@ -249,7 +259,16 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
     }
 
     async fn sweep_unfinishable(&self) -> Result<Vec<PoisonRow>> {
-        DB::sweep_unfinishable(self.on()).await
+        let rows = DB::fetch_texts::<DB::Text>(&self.pool, &self.sql.text.sweep_unfinishable)
+            .await
+            .map_err(Error::repository("sweep unfinishable rows"))?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, reason)| PoisonRow {
+                id: DB::text(id),
+                reason: reason.map(DB::text).unwrap_or_default(),
+            })
+            .collect())
     }
 
     async fn next_due_in(&self) -> Result<Option<Duration>> {

@@ -19,6 +19,11 @@ pub trait Bind<'a, DB: Database>: for<'q> Encode<'q, DB> + Type<DB> + Send + 'a 
 
 impl<'a, DB: Database, T> Bind<'a, DB> for T where T: for<'q> Encode<'q, DB> + Type<DB> + Send + 'a {}
 
+/// A column a statement of `DB` returns, read into a value of its own.
+pub trait Column<DB: Database>: for<'r> Decode<'r, DB> + Type<DB> + Send + Unpin {}
+
+impl<DB: Database, T> Column<DB> for T where T: for<'r> Decode<'r, DB> + Type<DB> + Send + Unpin {}
+
 /// Declares [`Queries`] and implements it for every database with the bounds below: each
 /// statement's signature and body are written once, for both.
 macro_rules! queries {
@@ -83,6 +88,14 @@ queries! {
     /// Runs `sql`, which answers one nullable number.
     fn fetch_seconds<'a>(pool: &'a Pool<Self>, sql: &'a Arc<str>) -> sqlx::Result<Option<f64>> {
         sqlx::query_scalar(statement(sql)).fetch_one(pool).await
+    }
+
+    /// Runs `sql`, which answers pairs of a text and a nullable text, read as `T`.
+    fn fetch_texts<'a, T: Column<Self>>(
+        pool: &'a Pool<Self>,
+        sql: &'a Arc<str>,
+    ) -> sqlx::Result<Vec<(T, Option<T>)>> {
+        sqlx::query_as(statement(sql)).fetch_all(pool).await
     }
 
     /// Runs `sql` binding an age in seconds and a limit; the rows it deleted.

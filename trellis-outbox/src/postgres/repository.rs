@@ -1,5 +1,6 @@
 //! The PostgreSQL steps of [`SqlOutboxRepository`](crate::SqlOutboxRepository): the claim with
-//! `FOR UPDATE SKIP LOCKED`, the batched marks over `UNNEST` arrays, retry and sweep.
+//! `FOR UPDATE SKIP LOCKED`, the batched failure marks over `UNNEST` arrays, and retry; what
+//! the shared steps bind (arrays) and read (text) on Postgres.
 
 use std::time::Duration;
 
@@ -7,9 +8,8 @@ use chrono::{DateTime, Utc};
 use sqlx::{Postgres, Row};
 
 use super::sql::PgOnly;
-use crate::dispatch::{Claim, Dispatched, Failure, FailureOutcome, PoisonRow, RetryOutcome};
-use crate::driver::sealed::On;
-use crate::driver::sealed::{Backend, RepositoryBackend};
+use crate::dispatch::{Claim, Dispatched, Failure, FailureOutcome, RetryOutcome};
+use crate::driver::sealed::{Backend, On, RepositoryBackend};
 use crate::driver::sql_seconds;
 use crate::error::{Error, Result};
 use crate::record::new_id;
@@ -21,6 +21,9 @@ impl RepositoryBackend for Postgres {
     /// Seconds, for `make_interval(secs => …)`.
     type Interval = f64;
     type Ids<'a> = &'a [&'a str];
+    /// One per id, in the ids' order.
+    type Outcomes = Vec<Option<String>>;
+    type Text = String;
 
     // The claim skips locked rows, and claim, publish and mark touch disjoint rows.
     const OVERLAPS_BATCHES: bool = true;
@@ -35,6 +38,21 @@ impl RepositoryBackend for Postgres {
 
     fn ids<'a>(ids: &'a [&'a str]) -> Result<&'a [&'a str]> {
         Ok(ids)
+    }
+
+    fn outcomes<'a>(
+        ids: &'a [&'a str],
+        rows: &'a [Dispatched],
+    ) -> Result<(&'a [&'a str], Option<Vec<Option<String>>>)> {
+        let outcomes = rows
+            .iter()
+            .map(|r| r.outcome.as_ref().map(serde_json::Value::to_string))
+            .collect();
+        Ok((ids, Some(outcomes)))
+    }
+
+    fn text(text: String) -> String {
+        text
     }
 
     async fn claim_due(
@@ -63,29 +81,6 @@ impl RepositoryBackend for Postgres {
         let mut claim = Claim::empty(token, cutoff);
         claim.extend(&rows, Self::decode, |row| row.try_get("id").ok());
         Ok(claim)
-    }
-
-    async fn mark_dispatched(on: On<'_, Self>, token: &str, rows: &[Dispatched]) -> Result<u64> {
-        let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
-        let query = if rows.iter().all(|r| r.outcome.is_none()) {
-            sqlx::query(statement(&on.sql.text.mark_dispatched))
-                .bind(ids)
-                .bind(token)
-        } else {
-            let outcomes: Vec<Option<String>> = rows
-                .iter()
-                .map(|r| r.outcome.as_ref().map(serde_json::Value::to_string))
-                .collect();
-            sqlx::query(statement(&on.sql.text.mark_dispatched_with_outcomes))
-                .bind(ids)
-                .bind(outcomes)
-                .bind(token)
-        };
-        let result = query
-            .execute(on.pool)
-            .await
-            .map_err(Error::repository("mark dispatched"))?;
-        Ok(result.rows_affected())
     }
 
     async fn mark_failures(
@@ -148,20 +143,5 @@ impl RepositoryBackend for Postgres {
             // Not reached: a failed or dead row is refused only under a lease.
             None => Ok(RetryOutcome::NotRetryable { state }),
         }
-    }
-
-    async fn sweep_unfinishable(on: On<'_, Self>) -> Result<Vec<PoisonRow>> {
-        let rows: Vec<(String, Option<String>)> =
-            sqlx::query_as(statement(&on.sql.text.sweep_unfinishable))
-                .fetch_all(on.pool)
-                .await
-                .map_err(Error::repository("sweep unfinishable rows"))?;
-        Ok(rows
-            .into_iter()
-            .map(|(id, reason)| PoisonRow {
-                id,
-                reason: reason.unwrap_or_default(),
-            })
-            .collect())
     }
 }

@@ -38,8 +38,8 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
         mark_dispatched_with_outcomes: format!(
             "UPDATE {o} AS o SET state = 'dispatched', updated_at = now(), next_attempt_at = NULL, \
              last_error = NULL, outcome = d.outcome::jsonb, claimed_until = NULL, claim_token = NULL \
-             FROM UNNEST($1::text[], $2::text[]) AS d(id, outcome) \
-             WHERE o.id = d.id AND o.claim_token = $3"
+             FROM UNNEST($1::text[], $3::text[]) AS d(id, outcome) \
+             WHERE o.id = d.id AND o.claim_token = $2"
         )
         .into(),
         // $1 ids, $2 errors, $3 retry delays in seconds (NULL: dead), $4 attempts to add,

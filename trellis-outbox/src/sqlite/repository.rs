@@ -1,5 +1,6 @@
 //! The SQLite steps of [`SqlOutboxRepository`](crate::SqlOutboxRepository): the claim (one
-//! `UPDATE … RETURNING` of packed rows), the batched marks over JSON arrays, retry and sweep.
+//! `UPDATE … RETURNING` of packed rows), the batched failure marks over JSON arrays, and
+//! retry; what the shared steps bind (JSON arrays) and read (bytes) on SQLite.
 
 use std::time::Duration;
 
@@ -10,8 +11,7 @@ use sqlx::{AssertSqlSafe, Row, Sqlite};
 use super::database::decode_claimed;
 use super::sql::{CLAIM_COLUMN_COUNT, SqliteOnly};
 use crate::dispatch::{Claim, Dispatched, Failure, FailureOutcome, PoisonRow, RetryOutcome};
-use crate::driver::sealed::On;
-use crate::driver::sealed::{Backend, RepositoryBackend};
+use crate::driver::sealed::{Backend, On, RepositoryBackend};
 use crate::driver::sql_seconds;
 use crate::error::{Error, Result};
 use crate::record::new_id;
@@ -25,6 +25,10 @@ impl RepositoryBackend for Sqlite {
     type Interval = String;
     /// A JSON array.
     type Ids<'a> = String;
+    /// None: the outcomes go in the list, as `[id, outcome]` pairs.
+    type Outcomes = String;
+    /// Bytes: a stored value need not be UTF-8.
+    type Text = Vec<u8>;
 
     // Writers queue behind one lock: overlapping batches would only add lock waits.
     const OVERLAPS_BATCHES: bool = false;
@@ -39,6 +43,17 @@ impl RepositoryBackend for Sqlite {
 
     fn ids<'a>(ids: &'a [&'a str]) -> Result<String> {
         json_array(&ids)
+    }
+
+    fn outcomes<'a>(_: &'a [&'a str], rows: &'a [Dispatched]) -> Result<(String, Option<String>)> {
+        let pairs: Vec<(&str, &Option<serde_json::Value>)> =
+            rows.iter().map(|r| (r.id.as_str(), &r.outcome)).collect();
+        Ok((json_array(&pairs)?, None))
+    }
+
+    fn text(text: Vec<u8>) -> String {
+        String::from_utf8(text)
+            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
     }
 
     async fn claim_due(
@@ -106,28 +121,6 @@ impl RepositoryBackend for Sqlite {
         Ok(claim)
     }
 
-    async fn mark_dispatched(on: On<'_, Self>, token: &str, rows: &[Dispatched]) -> Result<u64> {
-        // Events carry no outcome: the plain statement avoids a per-row JSON lookup.
-        let (sql, list) = if rows.iter().all(|r| r.outcome.is_none()) {
-            let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
-            (&on.sql.text.mark_dispatched, json_array(&ids)?)
-        } else {
-            let pairs: Vec<(&str, &Option<serde_json::Value>)> =
-                rows.iter().map(|r| (r.id.as_str(), &r.outcome)).collect();
-            (
-                &on.sql.text.mark_dispatched_with_outcomes,
-                json_array(&pairs)?,
-            )
-        };
-        let result = sqlx::query(statement(sql))
-            .bind(list)
-            .bind(token)
-            .execute(on.pool)
-            .await
-            .map_err(Error::repository("mark dispatched"))?;
-        Ok(result.rows_affected())
-    }
-
     async fn mark_failures(
         on: On<'_, Self>,
         token: &str,
@@ -183,7 +176,7 @@ impl RepositoryBackend for Sqlite {
             match found {
                 None => RetryOutcome::NotFound,
                 Some((state, until)) => {
-                    let state = lossy(state);
+                    let state = Self::text(state);
                     match until {
                         Some(until) if matches!(state.as_str(), "failed" | "dead") => {
                             RetryOutcome::Leased {
@@ -200,21 +193,6 @@ impl RepositoryBackend for Sqlite {
         tx.commit().await.map_err(Error::repository("retry"))?;
         Ok(outcome)
     }
-
-    async fn sweep_unfinishable(on: On<'_, Self>) -> Result<Vec<PoisonRow>> {
-        let rows: Vec<(Vec<u8>, Option<Vec<u8>>)> =
-            sqlx::query_as(statement(&on.sql.text.sweep_unfinishable))
-                .fetch_all(on.pool)
-                .await
-                .map_err(Error::repository("sweep unfinishable rows"))?;
-        Ok(rows
-            .into_iter()
-            .map(|(id, reason)| PoisonRow {
-                id: lossy(id),
-                reason: reason.map(lossy).unwrap_or_default(),
-            })
-            .collect())
-    }
 }
 
 /// Reads the claimed rows `ids`, whose packed values could not be decoded, column by column.
@@ -226,10 +204,6 @@ async fn read_claimed(on: On<'_, Sqlite>, token: &str, ids: &[String]) -> Result
         .fetch_all(on.pool)
         .await
         .map_err(Error::repository("claim"))
-}
-
-fn lossy(bytes: Vec<u8>) -> String {
-    String::from_utf8(bytes).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
 }
 
 fn json_array<T: serde::Serialize>(value: &T) -> Result<String> {
