@@ -14,7 +14,7 @@ use sqlx::{Database, Encode, Pool, Transaction, Type};
 
 use crate::dispatch::{Claim, Dispatched, Failure, RetryOutcome};
 use crate::error::{Error, Result};
-use crate::record::{OutboxMessage, PreparedOutboxRecord};
+use crate::record::{OutboxMessage, PreparedOutboxRecord, new_id};
 use crate::row::{batch_result, existing_row};
 use crate::sql::SqlStatements;
 use crate::tables::{Dialect, OutboxTables};
@@ -60,6 +60,41 @@ pub(crate) mod sealed {
     }
 
     impl<DB: RepositoryBackend> Copy for On<'_, DB> {}
+
+    /// What a fenced statement runs on: the pool, the statements, and the claim token that
+    /// every row it changes must still hold.
+    #[derive(Debug, Clone, Copy)]
+    pub struct Fenced<'a, DB: Database> {
+        pub pool: &'a Pool<DB>,
+        pub sql: &'a SqlStatements,
+        pub token: &'a str,
+    }
+
+    /// A claim to make: a new fencing token, at most `limit` rows, leased for `lease`, due by
+    /// `cutoff` (or the database's now).
+    #[derive(Debug)]
+    pub struct ClaimDue {
+        pub token: String,
+        pub limit: i64,
+        pub lease: Duration,
+        pub cutoff: Option<DateTime<Utc>>,
+    }
+
+    impl ClaimDue {
+        pub(crate) fn new(limit: usize, lease: Duration, cutoff: Option<DateTime<Utc>>) -> Self {
+            Self {
+                token: new_id(),
+                limit: i64::try_from(limit).unwrap_or(i64::MAX),
+                lease,
+                cutoff,
+            }
+        }
+
+        /// The claim when no row was due.
+        pub(crate) fn nothing_due(self) -> Claim {
+            Claim::empty(self.token, self.cutoff.unwrap_or_else(Utc::now))
+        }
+    }
 
     /// A migration being recorded.
     #[derive(Debug, Clone, Copy)]
@@ -231,14 +266,11 @@ pub(crate) mod sealed {
 
         fn claim_due<'a>(
             on: On<'a, Self>,
-            limit: usize,
-            lease: Duration,
-            cutoff: Option<DateTime<Utc>>,
+            due: ClaimDue,
         ) -> impl Future<Output = Result<Claim>> + Send + 'a;
 
         fn mark_failures<'a>(
-            on: On<'a, Self>,
-            token: &'a str,
+            on: Fenced<'a, Self>,
             failures: &'a [Failure],
         ) -> impl Future<Output = Result<Vec<String>>> + Send + 'a;
 

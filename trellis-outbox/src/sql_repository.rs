@@ -12,7 +12,7 @@ use crate::dispatch::{
     Claim, Dispatched, Failure, OutboxRepository, PoisonRow, RetryOutcome, due_in,
 };
 use crate::driver::OutboxDatabase;
-use crate::driver::sealed::On;
+use crate::driver::sealed::{ClaimDue, Fenced, On};
 use crate::error::{Error, Result};
 use crate::sql::SqlStatements;
 use crate::tables::OutboxTables;
@@ -203,7 +203,7 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
         lease: Duration,
         cutoff: Option<DateTime<Utc>>,
     ) -> Result<Claim> {
-        DB::claim_due(self.on(), limit, lease, cutoff).await
+        DB::claim_due(self.on(), ClaimDue::new(limit, lease, cutoff)).await
     }
 
     async fn mark_dispatched(&self, claim: &Claim, rows: &[Dispatched]) -> Result<u64> {
@@ -227,7 +227,7 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
         if failures.is_empty() {
             return Ok(Vec::new());
         }
-        DB::mark_failures(self.on(), &claim.token, failures).await
+        DB::mark_failures(self.fenced(claim), failures).await
     }
 
     fn extends_leases(&self) -> bool {
@@ -300,5 +300,13 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
         DB::mark_rows(&self.pool, sql, DB::ids(ids)?, &claim.token, lease)
             .await
             .map_err(Error::repository(operation))
+    }
+
+    fn fenced<'a>(&'a self, claim: &'a Claim) -> Fenced<'a, DB> {
+        Fenced {
+            pool: &self.pool,
+            sql: &self.sql,
+            token: &claim.token,
+        }
     }
 }

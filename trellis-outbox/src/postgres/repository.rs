@@ -9,10 +9,9 @@ use sqlx::{Postgres, Row};
 
 use super::sql::PgOnly;
 use crate::dispatch::{Claim, Dispatched, Failure, FailureOutcome, RetryOutcome};
-use crate::driver::sealed::{Backend, On, RepositoryBackend};
+use crate::driver::sealed::{Backend, ClaimDue, Fenced, On, RepositoryBackend};
 use crate::driver::sql_seconds;
 use crate::error::{Error, Result};
-use crate::record::new_id;
 use crate::sql::statement;
 use crate::tables::OutboxTables;
 
@@ -55,39 +54,28 @@ impl RepositoryBackend for Postgres {
         text
     }
 
-    async fn claim_due(
-        on: On<'_, Self>,
-        limit: usize,
-        lease: Duration,
-        cutoff: Option<DateTime<Utc>>,
-    ) -> Result<Claim> {
-        let token = new_id();
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    async fn claim_due(on: On<'_, Self>, due: ClaimDue) -> Result<Claim> {
         let rows = sqlx::query(statement(&on.only.claim))
-            .bind(limit)
-            .bind(sql_seconds(lease))
-            .bind(&token)
-            .bind(cutoff)
+            .bind(due.limit)
+            .bind(sql_seconds(due.lease))
+            .bind(&due.token)
+            .bind(due.cutoff)
             .bind(on.beside_upstream)
             .fetch_all(on.pool)
             .await
             .map_err(Error::repository("claim"))?;
         let Some(first) = rows.first() else {
-            return Ok(Claim::empty(token, cutoff.unwrap_or_else(Utc::now)));
+            return Ok(due.nothing_due());
         };
         let cutoff: DateTime<Utc> = first
             .try_get("claim_cutoff")
             .map_err(|e| Error::decode("", "claim_cutoff", e))?;
-        let mut claim = Claim::empty(token, cutoff);
+        let mut claim = Claim::empty(due.token, cutoff);
         claim.extend(&rows, Self::decode, |row| row.try_get("id").ok());
         Ok(claim)
     }
 
-    async fn mark_failures(
-        on: On<'_, Self>,
-        token: &str,
-        failures: &[Failure],
-    ) -> Result<Vec<String>> {
+    async fn mark_failures(on: Fenced<'_, Self>, failures: &[Failure]) -> Result<Vec<String>> {
         let mut ids = Vec::with_capacity(failures.len());
         let mut errors = Vec::with_capacity(failures.len());
         let mut delays = Vec::with_capacity(failures.len());
@@ -107,7 +95,7 @@ impl RepositoryBackend for Postgres {
             .bind(errors)
             .bind(delays)
             .bind(adds)
-            .bind(token)
+            .bind(on.token)
             .fetch_all(on.pool)
             .await
             .map_err(Error::repository("mark failures"))

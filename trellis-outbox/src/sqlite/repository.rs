@@ -4,17 +4,15 @@
 
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use sqlx::sqlite::SqliteRow;
 use sqlx::{AssertSqlSafe, Row, Sqlite};
 
 use super::database::decode_claimed;
 use super::sql::{CLAIM_COLUMN_COUNT, SqliteOnly};
 use crate::dispatch::{Claim, Dispatched, Failure, FailureOutcome, PoisonRow, RetryOutcome};
-use crate::driver::sealed::{Backend, On, RepositoryBackend};
+use crate::driver::sealed::{Backend, ClaimDue, Fenced, On, RepositoryBackend};
 use crate::driver::sql_seconds;
 use crate::error::{Error, Result};
-use crate::record::new_id;
 use crate::sql::statement;
 use crate::tables::OutboxTables;
 use crate::time::{format_timestamp, parse_timestamp};
@@ -56,14 +54,7 @@ impl RepositoryBackend for Sqlite {
             .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
     }
 
-    async fn claim_due(
-        on: On<'_, Self>,
-        limit: usize,
-        lease: Duration,
-        cutoff: Option<DateTime<Utc>>,
-    ) -> Result<Claim> {
-        let token = new_id();
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    async fn claim_due(on: On<'_, Self>, due: ClaimDue) -> Result<Claim> {
         // The first claim of a wave learns the cutoff (the database's clock) from the claim
         // itself; later claims pass it in and need not read it back.
         let claim = if on.beside_upstream {
@@ -71,21 +62,21 @@ impl RepositoryBackend for Sqlite {
         } else {
             &on.only.claim
         };
-        let sql = claim.get(limit, cutoff.is_none());
+        let sql = claim.get(due.limit, due.cutoff.is_none());
         // One autocommit UPDATE: SQLite takes the write lock when the statement starts, so
         // the claim is atomic and concurrent claimers queue on the busy timeout (the same
         // guarantee as BEGIN IMMEDIATE, in one round trip).
         let rows = sqlx::query(AssertSqlSafe(sql))
-            .bind(Self::interval(lease))
-            .bind(&token)
-            .bind(cutoff.map(format_timestamp))
+            .bind(Self::interval(due.lease))
+            .bind(&due.token)
+            .bind(due.cutoff.map(format_timestamp))
             .fetch_all(on.pool)
             .await
             .map_err(Error::repository("claim"))?;
         let Some(first) = rows.first() else {
-            return Ok(Claim::empty(token, cutoff.unwrap_or_else(Utc::now)));
+            return Ok(due.nothing_due());
         };
-        let cutoff = match cutoff {
+        let cutoff = match due.cutoff {
             Some(cutoff) => cutoff,
             None => {
                 let text: &str = first
@@ -95,7 +86,7 @@ impl RepositoryBackend for Sqlite {
                     .map_err(|e| Error::decode("", "claim_cutoff", format!("{text:?}: {e}")))?
             }
         };
-        let mut claim = Claim::empty(token, cutoff);
+        let mut claim = Claim::empty(due.token, cutoff);
         // Rows whose packed values are unusual, to be read column by column.
         let mut unread = Vec::new();
         for row in &rows {
@@ -121,11 +112,7 @@ impl RepositoryBackend for Sqlite {
         Ok(claim)
     }
 
-    async fn mark_failures(
-        on: On<'_, Self>,
-        token: &str,
-        failures: &[Failure],
-    ) -> Result<Vec<String>> {
+    async fn mark_failures(on: Fenced<'_, Self>, failures: &[Failure]) -> Result<Vec<String>> {
         let entries: Vec<(&str, &str, Option<String>, i32)> = failures
             .iter()
             .map(|f| match f.outcome {
@@ -145,7 +132,7 @@ impl RepositoryBackend for Sqlite {
             .collect();
         sqlx::query_scalar(statement(&on.sql.text.mark_failures))
             .bind(json_array(&entries)?)
-            .bind(token)
+            .bind(on.token)
             .fetch_all(on.pool)
             .await
             .map_err(Error::repository("mark failures"))
