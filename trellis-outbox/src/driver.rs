@@ -63,7 +63,7 @@ pub(crate) mod sealed {
 
     /// What a fenced statement runs on: the pool, the statements, and the claim token that
     /// every row it changes must still hold.
-    #[derive(Debug, Clone, Copy)]
+    #[derive(Debug)]
     pub struct Fenced<'a, DB: Database> {
         pub pool: &'a Pool<DB>,
         pub sql: &'a SqlStatements,
