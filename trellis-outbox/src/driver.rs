@@ -5,19 +5,20 @@
 //! [`OutboxDatabase`] and never name a driver; the drivers never call a front end. Each trait
 //! is sealed: users name [`OutboxDatabase`] in bounds but cannot implement or call it.
 
+use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::{Database, Decode, Encode, Executor, Pool, Transaction, Type};
+use sqlx::{Database, Encode, Pool, Transaction, Type};
 
-use crate::dispatch::{Claim, Dispatched, Failure, PoisonRow, RetryOutcome};
+use crate::dispatch::{Claim, Dispatched, Failure, RetryOutcome};
 use crate::error::{Error, Result};
-use crate::record::{OutboxMessage, PreparedOutboxRecord};
-use crate::row::existing_row;
-use crate::sql::{SqlStatements, statement};
+use crate::record::{OutboxMessage, PreparedOutboxRecord, new_id};
+use crate::row::{batch_result, existing_row};
+use crate::sql::SqlStatements;
 use crate::tables::{Dialect, OutboxTables};
+use crate::time::now_millis;
 
 /// A database trellis-outbox can store outboxes in: [`sqlx::Postgres`] and [`sqlx::Sqlite`].
 ///
@@ -32,201 +33,14 @@ impl OutboxDatabase for sqlx::Postgres {}
 #[cfg(feature = "sqlite")]
 impl OutboxDatabase for sqlx::Sqlite {}
 
+mod queries;
+
 pub(crate) mod sealed {
     use super::*;
 
-    /// A boxed future: the [`Queries`] futures are generic over sqlx's higher-ranked bounds,
-    /// which rustc cannot always prove `Send` through when a caller's future holds one; boxing
-    /// states it once. They run once per statement, not per row.
-    pub(crate) type Boxed<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+    pub(crate) use super::queries::{Column, Queries};
 
     // The types in these signatures are public in this private module: nameable by no user.
-
-    /// Statements run the same way on every database: written once, for any sqlx database
-    /// that binds text and integers and runs queries on its connections. A supertrait of the
-    /// driver traits, so that generic code over [`OutboxDatabase`](super::OutboxDatabase)
-    /// may call it without naming sqlx's bounds.
-    pub trait Queries: Database {
-        /// Runs `sql` binding `ids`, `token` and then `value` if any (a fenced update of
-        /// rows) and returns how many rows it changed.
-        fn mark_rows<'a, I, V>(
-            pool: &'a Pool<Self>,
-            sql: &'a Arc<str>,
-            ids: I,
-            token: &'a str,
-            value: Option<V>,
-        ) -> Boxed<'a, sqlx::Result<u64>>
-        where
-            I: for<'q> Encode<'q, Self> + Type<Self> + Send + 'a,
-            V: for<'q> Encode<'q, Self> + Type<Self> + Send + 'a;
-
-        /// Runs `sql`, which answers one nullable number.
-        fn fetch_seconds<'a>(
-            pool: &'a Pool<Self>,
-            sql: &'a Arc<str>,
-        ) -> Boxed<'a, sqlx::Result<Option<f64>>>;
-
-        /// Runs `sql` binding an age in seconds and a limit; the rows it deleted.
-        fn delete_older<'a>(
-            pool: &'a Pool<Self>,
-            sql: &'a Arc<str>,
-            seconds: f64,
-            limit: i64,
-        ) -> Boxed<'a, sqlx::Result<u64>>;
-
-        /// Runs `sql` binding `first` and `second`; the rows it changed.
-        fn execute_pair<'a, V>(
-            conn: &'a mut Self::Connection,
-            sql: &'a Arc<str>,
-            first: &'a str,
-            second: V,
-        ) -> Boxed<'a, sqlx::Result<u64>>
-        where
-            V: for<'q> Encode<'q, Self> + Type<Self> + Send + 'a;
-
-        /// Runs `sql` binding `id`; the row it returns, if any.
-        fn fetch_by_id<'a>(
-            conn: &'a mut Self::Connection,
-            sql: &'a Arc<str>,
-            id: &'a str,
-        ) -> Boxed<'a, sqlx::Result<Option<Self::Row>>>;
-
-        /// `(version, id, checksum)` of the migrations `sql` reads for `outbox`.
-        fn fetch_migrations<'a>(
-            tx: &'a mut Transaction<'static, Self>,
-            sql: &'static str,
-            outbox: &'a str,
-        ) -> Boxed<'a, sqlx::Result<Vec<(i64, String, String)>>>;
-
-        /// Runs one DDL statement.
-        fn run_ddl<'a>(
-            tx: &'a mut Transaction<'static, Self>,
-            statement: &'a str,
-        ) -> Boxed<'a, sqlx::Result<()>>;
-
-        /// The single text column of every row `sql` returns for `outbox`.
-        fn fetch_names<'a>(
-            tx: &'a mut Transaction<'static, Self>,
-            sql: &'static str,
-            outbox: &'a str,
-        ) -> Boxed<'a, sqlx::Result<Vec<String>>>;
-    }
-
-    impl<DB> Queries for DB
-    where
-        DB: Database,
-        DB::Arguments: sqlx::IntoArguments<DB>,
-        for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
-        for<'q> &'q str: Encode<'q, DB> + Type<DB>,
-        for<'q> i32: Encode<'q, DB> + Type<DB>,
-        for<'q> i64: Encode<'q, DB> + Type<DB>,
-        for<'q> f64: Encode<'q, DB> + Type<DB>,
-        for<'r> Option<f64>: Decode<'r, DB> + Type<DB>,
-        for<'r> (i64, String, String): sqlx::FromRow<'r, DB::Row>,
-        for<'r> String: Decode<'r, DB> + Type<DB>,
-        usize: sqlx::ColumnIndex<DB::Row>,
-        DB::QueryResult: RowsAffected,
-    {
-        fn mark_rows<'a, I, V>(
-            pool: &'a Pool<Self>,
-            sql: &'a Arc<str>,
-            ids: I,
-            token: &'a str,
-            value: Option<V>,
-        ) -> Boxed<'a, sqlx::Result<u64>>
-        where
-            I: for<'q> Encode<'q, Self> + Type<Self> + Send + 'a,
-            V: for<'q> Encode<'q, Self> + Type<Self> + Send + 'a,
-        {
-            Box::pin(async move {
-                let mut query = sqlx::query(statement(sql)).bind(ids).bind(token);
-                if let Some(value) = value {
-                    query = query.bind(value);
-                }
-                Ok(query.execute(pool).await?.rows_affected())
-            })
-        }
-
-        fn fetch_seconds<'a>(
-            pool: &'a Pool<Self>,
-            sql: &'a Arc<str>,
-        ) -> Boxed<'a, sqlx::Result<Option<f64>>> {
-            Box::pin(async move { sqlx::query_scalar(statement(sql)).fetch_one(pool).await })
-        }
-
-        fn delete_older<'a>(
-            pool: &'a Pool<Self>,
-            sql: &'a Arc<str>,
-            seconds: f64,
-            limit: i64,
-        ) -> Boxed<'a, sqlx::Result<u64>> {
-            Box::pin(async move {
-                let query = sqlx::query(statement(sql)).bind(seconds).bind(limit);
-                Ok(query.execute(pool).await?.rows_affected())
-            })
-        }
-
-        fn execute_pair<'a, V>(
-            conn: &'a mut Self::Connection,
-            sql: &'a Arc<str>,
-            first: &'a str,
-            second: V,
-        ) -> Boxed<'a, sqlx::Result<u64>>
-        where
-            V: for<'q> Encode<'q, Self> + Type<Self> + Send + 'a,
-        {
-            Box::pin(async move {
-                let query = sqlx::query(statement(sql)).bind(first).bind(second);
-                Ok(query.execute(&mut *conn).await?.rows_affected())
-            })
-        }
-
-        fn fetch_by_id<'a>(
-            conn: &'a mut Self::Connection,
-            sql: &'a Arc<str>,
-            id: &'a str,
-        ) -> Boxed<'a, sqlx::Result<Option<Self::Row>>> {
-            Box::pin(async move {
-                sqlx::query(statement(sql))
-                    .bind(id)
-                    .fetch_optional(&mut *conn)
-                    .await
-            })
-        }
-
-        fn fetch_migrations<'a>(
-            tx: &'a mut Transaction<'static, Self>,
-            sql: &'static str,
-            outbox: &'a str,
-        ) -> Boxed<'a, sqlx::Result<Vec<(i64, String, String)>>> {
-            Box::pin(async move { sqlx::query_as(sql).bind(outbox).fetch_all(&mut **tx).await })
-        }
-
-        fn run_ddl<'a>(
-            tx: &'a mut Transaction<'static, Self>,
-            statement: &'a str,
-        ) -> Boxed<'a, sqlx::Result<()>> {
-            Box::pin(async move {
-                sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
-                    .execute(&mut **tx)
-                    .await?;
-                Ok(())
-            })
-        }
-
-        fn fetch_names<'a>(
-            tx: &'a mut Transaction<'static, Self>,
-            sql: &'static str,
-            outbox: &'a str,
-        ) -> Boxed<'a, sqlx::Result<Vec<String>>> {
-            Box::pin(async move {
-                sqlx::query_scalar(sql)
-                    .bind(outbox)
-                    .fetch_all(&mut **tx)
-                    .await
-            })
-        }
-    }
 
     /// What a repository hook runs on: the pool and the statements.
     #[derive(Debug)]
@@ -247,6 +61,41 @@ pub(crate) mod sealed {
 
     impl<DB: RepositoryBackend> Copy for On<'_, DB> {}
 
+    /// What a fenced statement runs on: the pool, the statements, and the claim token that
+    /// every row it changes must still hold.
+    #[derive(Debug)]
+    pub struct Fenced<'a, DB: Database> {
+        pub pool: &'a Pool<DB>,
+        pub sql: &'a SqlStatements,
+        pub token: &'a str,
+    }
+
+    /// A claim to make: a new fencing token, at most `limit` rows, leased for `lease`, due by
+    /// `cutoff` (or the database's now).
+    #[derive(Debug)]
+    pub struct ClaimDue {
+        pub token: String,
+        pub limit: i64,
+        pub lease: Duration,
+        pub cutoff: Option<DateTime<Utc>>,
+    }
+
+    impl ClaimDue {
+        pub(crate) fn new(limit: usize, lease: Duration, cutoff: Option<DateTime<Utc>>) -> Self {
+            Self {
+                token: new_id(),
+                limit: i64::try_from(limit).unwrap_or(i64::MAX),
+                lease,
+                cutoff,
+            }
+        }
+
+        /// The claim when no row was due.
+        pub(crate) fn nothing_due(self) -> Claim {
+            Claim::empty(self.token, self.cutoff.unwrap_or_else(Utc::now))
+        }
+    }
+
     /// A migration being recorded.
     #[derive(Debug, Clone, Copy)]
     pub struct Applied<'a> {
@@ -260,7 +109,28 @@ pub(crate) mod sealed {
         fn rows_affected(&self) -> u64;
     }
 
+    /// What an enqueue step runs on: the caller's connection, the statements, and the time
+    /// the records are enqueued at.
+    #[derive(Debug)]
+    pub struct Enqueue<'a, DB: Database> {
+        pub conn: &'a mut DB::Connection,
+        pub sql: &'a SqlStatements,
+        pub now: DateTime<Utc>,
+    }
+
+    impl<'a, DB: Database> Enqueue<'a, DB> {
+        /// An enqueue at the current time (millisecond precision, as stored).
+        fn new(conn: &'a mut DB::Connection, sql: &'a SqlStatements) -> Self {
+            let now = now_millis();
+            Self { conn, sql, now }
+        }
+    }
+
     /// Enqueue and inbox: what [`Outbox`](crate::Outbox) asks of a database.
+    ///
+    /// Each driver writes the statements of an enqueue ([`insert_row`](Self::insert_row),
+    /// [`insert_rows`](Self::insert_rows), [`read_stored`](Self::read_stored)); what an
+    /// enqueue returns is decided here, once.
     pub trait Backend: Queries {
         const DIALECT: Dialect;
 
@@ -272,6 +142,26 @@ pub(crate) mod sealed {
         /// Decodes a row that selected [`COLUMNS`](crate::sql::COLUMNS) first, in order.
         fn decode(row: &Self::Row) -> Result<OutboxMessage>;
 
+        /// Runs the single-row `enqueue` of `record`, a `pending` row at `on.now`: whether it
+        /// inserted the row (false: a row with its id exists).
+        fn insert_row<'a>(
+            on: &'a mut Enqueue<'_, Self>,
+            record: &'a PreparedOutboxRecord,
+        ) -> impl Future<Output = Result<bool>> + Send + 'a;
+
+        /// Inserts `records` in as few statements as the database's limits allow; how many
+        /// rows were inserted.
+        fn insert_rows<'a>(
+            on: &'a mut Enqueue<'_, Self>,
+            records: &'a [PreparedOutboxRecord],
+        ) -> impl Future<Output = Result<u64>> + Send + 'a;
+
+        /// The stored rows of `ids`, by id.
+        fn read_stored<'a>(
+            on: &'a mut Enqueue<'_, Self>,
+            ids: Vec<String>,
+        ) -> impl Future<Output = Result<BTreeMap<String, OutboxMessage>>> + Send + 'a;
+
         /// What an enqueue of `record` returns when its insert wrote nothing: the stored row
         /// with its id, if its content is the record's ([`existing_row`]).
         fn stored<'a>(
@@ -280,28 +170,46 @@ pub(crate) mod sealed {
             record: &'a PreparedOutboxRecord,
         ) -> impl Future<Output = Result<OutboxMessage>> + Send + 'a {
             async move {
-                let row = Self::fetch_by_id(conn, &sql.select_by_id, &record.id)
+                let row = Self::fetch_by_id(conn, &sql.text.select_by_id, &record.id)
                     .await
-                    .map_err(|source| Error::Enqueue {
-                        id: record.id.clone(),
-                        source,
-                    })?;
+                    .map_err(Error::enqueue(&record.id))?;
                 let stored = row.as_ref().map(Self::decode).transpose()?;
                 existing_row(record, stored.as_ref())
             }
         }
 
+        /// Writes `record`; the row as stored: the record itself, or the row with its id if
+        /// its content is the record's ([`stored`](Self::stored)).
         fn insert_one<'a>(
             conn: &'a mut Self::Connection,
             sql: &'a SqlStatements,
             record: PreparedOutboxRecord,
-        ) -> impl Future<Output = Result<OutboxMessage>> + Send + 'a;
+        ) -> impl Future<Output = Result<OutboxMessage>> + Send + 'a {
+            async move {
+                let mut on = Enqueue::new(conn, sql);
+                if Self::insert_row(&mut on, &record).await? {
+                    return Ok(OutboxMessage::pending(record, on.now));
+                }
+                Self::stored(on.conn, sql, &record).await
+            }
+        }
 
+        /// Writes `records`; the rows as stored, in input order ([`batch_result`]).
         fn insert_many<'a>(
             conn: &'a mut Self::Connection,
             sql: &'a SqlStatements,
             records: Vec<PreparedOutboxRecord>,
-        ) -> impl Future<Output = Result<Vec<OutboxMessage>>> + Send + 'a;
+        ) -> impl Future<Output = Result<Vec<OutboxMessage>>> + Send + 'a {
+            async move {
+                let mut on = Enqueue::new(conn, sql);
+                let inserted = Self::insert_rows(&mut on, &records).await?;
+                let now = on.now;
+                batch_result(records, inserted, now, |ids| {
+                    Self::read_stored(&mut on, ids)
+                })
+                .await
+            }
+        }
     }
 
     /// Schema migrations: what [`migrate`](crate::migrate()) asks of a database.
@@ -312,25 +220,19 @@ pub(crate) mod sealed {
         const RECORDED: &'static str;
         /// The column names of an outbox table (none if it does not exist).
         const COLUMNS: &'static str;
-
-        /// Upgrades a Trellis 0.10 outbox table (column `event`, no `kind`, no `outcome`)
-        /// in place to version 1's columns, as upstream 0.11.0-rc.3 did.
-        fn upgrade_0_10(tables: &OutboxTables) -> Vec<String>;
+        /// Records a migration as applied to an outbox table: binds the table, the version,
+        /// the migration's id and its checksum.
+        const RECORD: &'static str;
 
         /// Begins the migration transaction, serialised against concurrent migrators.
         fn begin_migration(
             pool: &Pool<Self>,
         ) -> impl Future<Output = sqlx::Result<Transaction<'static, Self>>> + Send;
-
-        /// Records a migration as applied to `outbox`.
-        fn record_migration<'a>(
-            tx: &'a mut Transaction<'static, Self>,
-            outbox: &'a str,
-            migration: Applied<'a>,
-        ) -> impl Future<Output = sqlx::Result<()>> + Send + 'a;
     }
 
-    /// Dispatch: what [`SqlOutboxRepository`](crate::SqlOutboxRepository) asks of a database.
+    /// Dispatch: what [`SqlOutboxRepository`](crate::SqlOutboxRepository) asks of a database:
+    /// the statements it sends its own way. Marking rows dispatched, lease updates, the sweep
+    /// and retention run alike ([`Queries`]) over what these types bind and read.
     pub trait RepositoryBackend: Backend {
         /// The statements only this database sends, next to its [`SqlStatements`].
         type Only: std::fmt::Debug + Send + Sync + 'static;
@@ -338,6 +240,10 @@ pub(crate) mod sealed {
         type Interval: for<'q> Encode<'q, Self> + Type<Self> + Send + 'static;
         /// A list of ids as this database binds it.
         type Ids<'a>: for<'q> Encode<'q, Self> + Type<Self> + Send + 'a;
+        /// The outcomes `mark_dispatched_with_outcomes` binds after the token, if any.
+        type Outcomes: for<'q> Encode<'q, Self> + Type<Self> + Send + 'static;
+        /// Text as this database returns it from rows other writers may have written.
+        type Text: Column<Self>;
 
         /// Whether the dispatcher may overlap batches
         /// ([`OutboxRepository::overlaps_batches`](crate::OutboxRepository::overlaps_batches)).
@@ -349,22 +255,22 @@ pub(crate) mod sealed {
 
         fn ids<'a>(ids: &'a [&'a str]) -> Result<Self::Ids<'a>>;
 
+        /// What `mark_dispatched_with_outcomes` binds for `rows` (whose ids are `ids`): the
+        /// list before the token and the outcomes after it, if they are not in the list.
+        fn outcomes<'a>(
+            ids: &'a [&'a str],
+            rows: &'a [Dispatched],
+        ) -> Result<(Self::Ids<'a>, Option<Self::Outcomes>)>;
+
+        fn text(text: Self::Text) -> String;
+
         fn claim_due<'a>(
             on: On<'a, Self>,
-            limit: usize,
-            lease: Duration,
-            cutoff: Option<DateTime<Utc>>,
+            due: ClaimDue,
         ) -> impl Future<Output = Result<Claim>> + Send + 'a;
 
-        fn mark_dispatched<'a>(
-            on: On<'a, Self>,
-            token: &'a str,
-            rows: &'a [Dispatched],
-        ) -> impl Future<Output = Result<u64>> + Send + 'a;
-
         fn mark_failures<'a>(
-            on: On<'a, Self>,
-            token: &'a str,
+            on: Fenced<'a, Self>,
             failures: &'a [Failure],
         ) -> impl Future<Output = Result<Vec<String>>> + Send + 'a;
 
@@ -372,10 +278,6 @@ pub(crate) mod sealed {
             on: On<'a, Self>,
             id: &'a str,
         ) -> impl Future<Output = Result<RetryOutcome>> + Send + 'a;
-
-        fn sweep_unfinishable<'a>(
-            on: On<'a, Self>,
-        ) -> impl Future<Output = Result<Vec<PoisonRow>>> + Send + 'a;
     }
 }
 

@@ -270,6 +270,13 @@ impl Error {
     }
 
     /// Maps a driver error during a dispatch `operation` to [`Error::Repository`].
+    pub(crate) fn enqueue(id: &str) -> impl FnOnce(sqlx::Error) -> Self + '_ {
+        move |source| Error::Enqueue {
+            id: id.to_owned(),
+            source,
+        }
+    }
+
     pub(crate) fn repository(operation: &'static str) -> impl Fn(sqlx::Error) -> Self {
         move |source| Error::Repository { operation, source }
     }

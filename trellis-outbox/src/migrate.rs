@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use crate::driver::OutboxDatabase;
 use crate::driver::sealed::Applied;
 use crate::error::Result;
-use crate::sql::Ddl;
+use crate::sql::{Ddl, Schema};
 use crate::tables::{Dialect, OutboxTables};
 
 /// The bookkeeping table [`migrate`](crate::migrate()) records applied migrations in.
@@ -96,11 +96,8 @@ fn script(m: &SqlOutboxMigration, direction: &str, statements: &[String]) -> Str
 /// # Ok::<(), trellis_outbox::Error>(())
 /// ```
 pub fn migrations(dialect: Dialect, tables: &OutboxTables) -> Vec<SqlOutboxMigration> {
-    let versions = match dialect {
-        Dialect::Postgres => crate::postgres::schema::versions(tables),
-        Dialect::Sqlite => crate::sqlite::schema::versions(tables),
-    };
-    versions
+    Schema::of(dialect)
+        .versions(tables)
         .into_iter()
         .zip(1..)
         .map(|(Ddl { up, down }, version)| {
@@ -127,7 +124,7 @@ pub fn migration_script(dialect: Dialect, tables: &OutboxTables) -> String {
         .join("\n")
 }
 
-// The versions (the DDL of each is its dialect's `schema.rs`):
+// The versions (`sql::Schema` writes each; what the dialects differ in is their `schema.rs`):
 //
 // 1. Upstream Trellis 0.11's tables and due index, byte for byte, with its ids and checksums.
 // 2. (trellis-outbox) Claim leases and fencing tokens, a partial index that serves the claim
@@ -238,7 +235,7 @@ pub async fn migrate_with<DB: OutboxDatabase>(
             .await
             .map_err(migrate_error("read the outbox table's columns"))?;
         if columns.iter().any(|c| c == "event") && !columns.iter().any(|c| c == "name") {
-            for statement in DB::upgrade_0_10(tables) {
+            for statement in Schema::of(DB::DIALECT).upgrade_0_10(tables) {
                 DB::run_ddl(&mut tx, &statement)
                     .await
                     .map_err(migrate_error("upgrade the Trellis 0.10 outbox table"))?;
@@ -261,7 +258,7 @@ pub async fn migrate_with<DB: OutboxDatabase>(
             id: &m.id,
             checksum: &m.checksum,
         };
-        DB::record_migration(&mut tx, tables.outbox(), applied)
+        DB::record_migration(&mut tx, DB::RECORD, tables.outbox(), applied)
             .await
             .map_err(migrate_error(&m.id))?;
         tracing::info!(migration = %m.id, "applied outbox migration");

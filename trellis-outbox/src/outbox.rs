@@ -210,7 +210,7 @@ impl Outbox {
         message_id: &str,
     ) -> Result<InboxReceipt> {
         check_message_id(message_id)?;
-        let sql = &self.sql(DB::DIALECT).inbox_insert;
+        let sql = &self.sql(DB::DIALECT).text.inbox_insert;
         let received_at = DB::time(now_millis());
         let affected = DB::execute_pair(&mut **tx, sql, message_id, received_at)
             .await

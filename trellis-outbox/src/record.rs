@@ -127,41 +127,54 @@ wire_strings! {
     Dead => "dead",
 }
 
-/// A record ready to be written to the outbox (Trellis' `PreparedOutboxRecord`).
-///
-/// Build one by hand, with [`PreparedOutboxRecord::event`], or let `#[derive(OutboxEvent)]`
-/// build it. It is validated when enqueued; see [`PreparedOutboxRecord::validate`].
-///
-/// # Examples
-///
-/// ```
-/// use trellis_outbox::{OutboxRecordKind, PreparedOutboxRecord};
-///
-/// let record = PreparedOutboxRecord::event(
-///     "Orders.Shipped",
-///     "events.v1.Orders.Shipped",
-///     &serde_json::json!({ "orderId": "o-1" }),
-/// )?;
-/// assert_eq!(record.kind, OutboxRecordKind::EventPublish);
-/// assert_eq!(record.payload, r#"{"orderId":"o-1"}"#);
-/// assert_eq!(record.headers["Nats-Msg-Id"], record.id);
-/// assert!(record.headers["Trellis-Event-Time"].ends_with('Z'));
-/// # Ok::<(), trellis_outbox::Error>(())
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PreparedOutboxRecord {
-    /// Idempotency key and primary key; also the JetStream `Nats-Msg-Id` of events.
-    pub id: String,
-    /// What the dispatcher does with the record.
-    pub kind: OutboxRecordKind,
-    /// The event name (e.g. `Orders.Shipped`) or job queue name.
-    pub name: String,
-    /// The NATS subject to publish to.
-    pub subject: String,
-    /// The JSON text to publish, stored verbatim.
-    pub payload: String,
-    /// NATS headers to publish with.
-    pub headers: BTreeMap<String, String>,
+/// Declares a struct whose first fields are a record's content, written once for the
+/// [`PreparedOutboxRecord`] and the [`OutboxMessage`] stored from it (see
+/// [`OutboxMessage::pending`]), then the struct's own fields.
+macro_rules! with_record_content {
+    ($(#[$attr:meta])* pub struct $name:ident { $($own:tt)* }) => {
+        $(#[$attr])*
+        pub struct $name {
+            /// Idempotency key and primary key; also the JetStream `Nats-Msg-Id` of events.
+            pub id: String,
+            /// What the dispatcher does with the record.
+            pub kind: OutboxRecordKind,
+            /// The event name (e.g. `Orders.Shipped`) or job queue name.
+            pub name: String,
+            /// The NATS subject to publish to.
+            pub subject: String,
+            /// The JSON text to publish, stored verbatim.
+            pub payload: String,
+            /// NATS headers to publish with.
+            pub headers: BTreeMap<String, String>,
+            $($own)*
+        }
+    };
+}
+
+with_record_content! {
+    /// A record ready to be written to the outbox (Trellis' `PreparedOutboxRecord`).
+    ///
+    /// Build one by hand, with [`PreparedOutboxRecord::event`], or let `#[derive(OutboxEvent)]`
+    /// build it. It is validated when enqueued; see [`PreparedOutboxRecord::validate`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use trellis_outbox::{OutboxRecordKind, PreparedOutboxRecord};
+    ///
+    /// let record = PreparedOutboxRecord::event(
+    ///     "Orders.Shipped",
+    ///     "events.v1.Orders.Shipped",
+    ///     &serde_json::json!({ "orderId": "o-1" }),
+    /// )?;
+    /// assert_eq!(record.kind, OutboxRecordKind::EventPublish);
+    /// assert_eq!(record.payload, r#"{"orderId":"o-1"}"#);
+    /// assert_eq!(record.headers["Nats-Msg-Id"], record.id);
+    /// assert!(record.headers["Trellis-Event-Time"].ends_with('Z'));
+    /// # Ok::<(), trellis_outbox::Error>(())
+    /// ```
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct PreparedOutboxRecord {}
 }
 
 impl PreparedOutboxRecord {
@@ -265,36 +278,26 @@ impl PreparedOutboxRecord {
     }
 }
 
-/// A stored outbox row (Trellis' `OutboxMessage`, with typed columns).
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-#[non_exhaustive]
-pub struct OutboxMessage {
-    /// Primary key; the JetStream `Nats-Msg-Id` of events.
-    pub id: String,
-    /// What the dispatcher does with the row.
-    pub kind: OutboxRecordKind,
-    /// Event name or job queue.
-    pub name: String,
-    /// The NATS subject.
-    pub subject: String,
-    /// The JSON text to publish.
-    pub payload: String,
-    /// NATS headers to publish with.
-    pub headers: BTreeMap<String, String>,
-    /// Where the row is in its life.
-    pub state: OutboxMessageState,
-    /// How many attempts have failed.
-    pub attempts: u32,
-    /// When the row was enqueued (millisecond precision).
-    pub created_at: DateTime<Utc>,
-    /// When the row last changed.
-    pub updated_at: DateTime<Utc>,
-    /// When a failed row is due again.
-    pub next_attempt_at: Option<DateTime<Utc>>,
-    /// The last failure's cause.
-    pub last_error: Option<String>,
-    /// What dispatching produced (e.g. a job admission outcome), as JSON.
-    pub outcome: Option<serde_json::Value>,
+with_record_content! {
+    /// A stored outbox row (Trellis' `OutboxMessage`, with typed columns).
+    #[derive(Debug, Clone, PartialEq, serde::Serialize)]
+    #[non_exhaustive]
+    pub struct OutboxMessage {
+        /// Where the row is in its life.
+        pub state: OutboxMessageState,
+        /// How many attempts have failed.
+        pub attempts: u32,
+        /// When the row was enqueued (millisecond precision).
+        pub created_at: DateTime<Utc>,
+        /// When the row last changed.
+        pub updated_at: DateTime<Utc>,
+        /// When a failed row is due again.
+        pub next_attempt_at: Option<DateTime<Utc>>,
+        /// The last failure's cause.
+        pub last_error: Option<String>,
+        /// What dispatching produced (e.g. a job admission outcome), as JSON.
+        pub outcome: Option<serde_json::Value>,
+    }
 }
 
 impl OutboxMessage {

@@ -5,6 +5,7 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
+use sqlx::query::Query;
 
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
@@ -175,22 +176,47 @@ where
     A: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
 {
     let id: String = get(row, "", 0, "id")?;
-    let i = id.as_str();
-    Ok(RawRow {
-        kind: get(row, i, 1, "kind")?,
-        name: get(row, i, 2, "name")?,
-        subject: get(row, i, 3, "subject")?,
-        payload: get(row, i, 4, "payload")?,
-        headers: get(row, i, 5, "headers")?,
-        state: get(row, i, 6, "state")?,
-        attempts: get(row, i, 7, "attempts")?,
-        created_at: get(row, i, 8, "created_at")?,
-        updated_at: get(row, i, 9, "updated_at")?,
-        next_attempt_at: get(row, i, 10, "next_attempt_at")?,
-        last_error: get(row, i, 11, "last_error")?,
-        outcome: get(row, i, 12, "outcome")?,
-        id,
-    })
+    let raw = columns!(row, id; kind, name, subject, payload, headers, state, attempts,
+        created_at, updated_at, next_attempt_at, last_error, outcome);
+    Ok(raw)
+}
+
+/// A [`RawRow`] of `$row`'s columns after `$id`, each read by position (see [`get`]) and
+/// named after its field. The names must be [`COLUMNS`](crate::sql::COLUMNS) in order, which
+/// is checked at compile time.
+macro_rules! columns {
+    ($row:ident, $id:ident; $($column:ident),+ $(,)?) => {{
+        const _: () = assert!(same_text(
+            crate::sql::COLUMNS,
+            concat!(stringify!($id), $(", ", stringify!($column)),+),
+        ));
+        let i = $id.as_str();
+        let mut index = 0;
+        RawRow {
+            $($column: {
+                index += 1;
+                get($row, i, index, stringify!($column))?
+            },)+
+            $id,
+        }
+    }};
+}
+use columns;
+
+/// `a == b`, in a constant.
+const fn same_text(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
 }
 
 /// Headers a retry of the same logical event re-creates with new values, so they are not
@@ -297,8 +323,26 @@ pub(crate) fn headers_json(record: &PreparedOutboxRecord) -> Result<String> {
 }
 
 /// The id of a batch's first record, naming a failed batch insert.
-pub(crate) fn first_id(batch: &[PreparedOutboxRecord]) -> String {
-    batch.first().map(|r| r.id.clone()).unwrap_or_default()
+pub(crate) fn first_id(batch: &[PreparedOutboxRecord]) -> &str {
+    batch.first().map_or("", |r| &r.id)
+}
+
+/// Binds what a record says of itself, the first five [`COLUMNS`](crate::sql::COLUMNS): id,
+/// kind, name, subject and payload.
+pub(crate) fn bind_content<'q, DB>(
+    query: Query<'q, DB, DB::Arguments>,
+    record: &PreparedOutboxRecord,
+) -> Query<'q, DB, DB::Arguments>
+where
+    DB: sqlx::Database,
+    for<'t> &'t str: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+{
+    query
+        .bind(record.id.as_str())
+        .bind(record.kind.as_str())
+        .bind(record.name.as_str())
+        .bind(record.subject.as_str())
+        .bind(record.payload.as_str())
 }
 
 #[cfg(test)]

@@ -45,43 +45,66 @@ pub struct SqlStatements {
     pub(crate) notify_channel: Arc<str>,
     /// Whether Postgres enqueues send `NOTIFY` (see [`Outbox::without_notify`](crate::Outbox::without_notify)).
     pub(crate) notify: bool,
+    /// The statements themselves, in the dialect's words.
+    pub(crate) text: Texts,
+}
+
+/// Declares [`Texts`]: every statement is a shared text (`Arc<str>`, handed to each query
+/// without a copy), one field per name.
+macro_rules! texts {
+    ($($(#[$doc:meta])* $name:ident,)*) => {
+        /// The statements that differ by dialect, written by its `statements` function.
+        #[derive(Debug, Clone)]
+        // Without a driver, nothing sends the dispatch statements.
+        #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+        pub(crate) struct Texts {
+            $($(#[$doc])* pub(crate) $name: Arc<str>,)*
+        }
+    };
+}
+
+texts! {
     /// One row; on Postgres also notifies ($14 = channel, NULL for none).
-    pub(crate) enqueue: Arc<str>,
+    enqueue,
     /// One stored row by id, [`COLUMNS`] in order.
-    pub(crate) select_by_id: Arc<str>,
-    pub(crate) inbox_insert: Arc<str>,
+    select_by_id,
+    inbox_insert,
     /// Fenced by the claim token, like every mark below.
-    pub(crate) mark_dispatched: Arc<str>,
+    mark_dispatched,
     /// `mark_dispatched` storing an outcome per row (events have none: the plain form saves
     /// the per-row lookup).
-    pub(crate) mark_dispatched_with_outcomes: Arc<str>,
+    mark_dispatched_with_outcomes,
     /// Many rows, each `failed` or `dead`; returns the ids marked.
-    pub(crate) mark_failures: Arc<str>,
+    mark_failures,
     /// Ids, token, lease.
-    pub(crate) extend_lease: Arc<str>,
+    extend_lease,
     /// Ids, token.
-    pub(crate) release: Arc<str>,
+    release,
     /// An operator's retry of one `failed` or `dead` row not under a live lease.
-    pub(crate) retry: Arc<str>,
+    retry,
     /// Moves rows no claim can finish to `dead`; returns (id, reason).
-    pub(crate) sweep_unfinishable: Arc<str>,
+    sweep_unfinishable,
     /// Seconds until the next row is due (NULL when no row is open).
-    pub(crate) next_due_in: Arc<str>,
+    next_due_in,
     /// Deletes up to a limit of `dispatched` rows last updated before an age (age, limit).
-    pub(crate) purge_dispatched: Arc<str>,
+    purge_dispatched,
     /// Deletes up to a limit of inbox rows received before an age (age, limit).
-    pub(crate) purge_inbox: Arc<str>,
+    purge_inbox,
 }
 
 impl SqlStatements {
     pub(crate) fn new(dialect: Dialect, tables: &OutboxTables, notify: bool) -> Self {
-        let statements = match dialect {
+        let text = match dialect {
             Dialect::Postgres => crate::postgres::sql::statements(tables),
             Dialect::Sqlite => crate::sqlite::sql::statements(tables),
         };
         Self {
-            notify: notify && statements.notify,
-            ..statements
+            dialect,
+            outbox_table: tables.outbox().into(),
+            notify_channel: notify_channel(tables).into(),
+            // Only Postgres has `NOTIFY`.
+            notify: notify && dialect == Dialect::Postgres,
+            text,
         }
     }
 
@@ -93,7 +116,7 @@ impl SqlStatements {
     /// The single-row enqueue: upstream's `INSERT … ON CONFLICT … DO NOTHING`; on Postgres
     /// wrapped so that an inserted row also notifies [`SqlStatements::notify_channel`].
     pub fn enqueue(&self) -> &str {
-        &self.enqueue
+        &self.text.enqueue
     }
 
     /// The Postgres `LISTEN`/`NOTIFY` channel that enqueues on this outbox notify:
@@ -117,12 +140,12 @@ impl SqlStatements {
 
     /// Reads one stored row by id (used when an enqueue hits an existing id).
     pub fn select_by_id(&self) -> &str {
-        &self.select_by_id
+        &self.text.select_by_id
     }
 
     /// The inbox insert: upstream's statement; its affected-row count decides the receipt.
     pub fn inbox_insert(&self) -> &str {
-        &self.inbox_insert
+        &self.text.inbox_insert
     }
 }
 
@@ -136,8 +159,8 @@ pub(crate) fn notify_channel(tables: &OutboxTables) -> String {
     format!("{}_wakeup", tables.outbox())
 }
 
-/// The statements of one schema version in one dialect: the dialect's `schema.rs` writes
-/// them, [`migrate`](crate::migrate) numbers and checksums them.
+/// The statements of one schema version in one dialect: [`Schema`] writes them,
+/// [`migrate`](crate::migrate) numbers and checksums them.
 pub(crate) struct Ddl {
     /// Statements that apply the version, without trailing semicolons.
     pub(crate) up: Vec<String>,
@@ -153,10 +176,106 @@ pub(crate) struct ColumnTypes {
     pub(crate) time: &'static str,
 }
 
+/// What one dialect's schema (its `schema.rs`) differs in; every version is built from it
+/// alike.
+pub(crate) struct Schema {
+    /// The column types of version 1.
+    pub(crate) types: ColumnTypes,
+    /// How version 2 adds and drops its columns: `ADD COLUMN IF NOT EXISTS` and
+    /// `DROP COLUMN IF EXISTS` where the dialect has them.
+    pub(crate) add_column: &'static str,
+    pub(crate) drop_column: &'static str,
+    /// Version 2's storage parameters for the claim's updates, if the dialect has any.
+    pub(crate) storage: Option<fn(&str) -> Ddl>,
+    /// Version 3's check that `state` (and on SQLite `id`) is one a claim can finish.
+    pub(crate) checks: fn(&str) -> Ddl,
+    /// The `next_attempt_at` of a `dead` row from version 3 on: never due.
+    pub(crate) never: &'static str,
+}
+
+impl Schema {
+    /// The schema of `dialect`.
+    pub(crate) fn of(dialect: Dialect) -> &'static Schema {
+        match dialect {
+            Dialect::Postgres => &crate::postgres::schema::SCHEMA,
+            Dialect::Sqlite => &crate::sqlite::schema::SCHEMA,
+        }
+    }
+
+    /// The DDL of each version, oldest first.
+    pub(crate) fn versions(&self, tables: &OutboxTables) -> Vec<Ddl> {
+        let o = tables.outbox();
+        vec![
+            Ddl::v1(tables, &self.types),
+            self.v2(o),
+            self.v3(o),
+            Ddl::v4(tables),
+        ]
+    }
+
+    /// Trellis 0.10's outbox table (column `event` instead of `name`, no `kind`, no
+    /// `outcome`) brought to version 1's columns in place, as upstream 0.11.0-rc.3 did: 0.10
+    /// rows were all events.
+    pub(crate) fn upgrade_0_10(&self, tables: &OutboxTables) -> Vec<String> {
+        let o = tables.outbox();
+        vec![
+            format!("ALTER TABLE {o} RENAME COLUMN event TO name"),
+            format!(
+                "ALTER TABLE {o} ADD COLUMN kind {} NOT NULL DEFAULT 'event.publish'",
+                self.types.text
+            ),
+            format!("ALTER TABLE {o} ADD COLUMN outcome {}", self.types.json),
+        ]
+    }
+
+    /// Version 2: claim leases, fencing tokens and the claim index, then the storage
+    /// parameters (reverted first).
+    fn v2(&self, o: &str) -> Ddl {
+        let (add, drop) = (self.add_column, self.drop_column);
+        let ColumnTypes { text, time, .. } = self.types;
+        let mut up = vec![
+            format!("ALTER TABLE {o} {add} claimed_until {time}"),
+            format!("ALTER TABLE {o} {add} claim_token {text}"),
+            Ddl::claim_index(o),
+        ];
+        let mut down = vec![
+            format!("DROP INDEX IF EXISTS {o}_claim_idx"),
+            format!("ALTER TABLE {o} {drop} claim_token"),
+            format!("ALTER TABLE {o} {drop} claimed_until"),
+        ];
+        if let Some(storage) = self.storage {
+            let storage = storage(o);
+            up.extend(storage.up);
+            down.splice(0..0, storage.down);
+        }
+        Ddl { up, down }
+    }
+
+    /// Version 3: the dialect's checks; upstream Trellis' `claimed` rows in the claim index;
+    /// dead rows never due. Reverted in the opposite order.
+    fn v3(&self, o: &str) -> Ddl {
+        let Ddl { mut up, mut down } = (self.checks)(o);
+        up.extend(Ddl::claim_index_v3(o));
+        // Dead rows are never due, for an upstream dispatcher too (it claims every row
+        // not dispatched once `next_attempt_at` has passed).
+        up.push(format!(
+            "UPDATE {o} SET next_attempt_at = {} WHERE state = 'dead'",
+            self.never
+        ));
+        let reverted = [
+            format!("UPDATE {o} SET next_attempt_at = NULL WHERE state = 'dead'"),
+            format!("DROP INDEX IF EXISTS {o}_claim_idx"),
+            Ddl::claim_index(o),
+        ];
+        down.splice(0..0, reverted);
+        Ddl { up, down }
+    }
+}
+
 /// The statements both dialects write alike.
 impl Ddl {
     /// Version 1: upstream Trellis 0.11's tables and due index, in `types`.
-    pub(crate) fn v1(tables: &OutboxTables, types: &ColumnTypes) -> Self {
+    fn v1(tables: &OutboxTables, types: &ColumnTypes) -> Self {
         let (o, i) = (tables.outbox(), tables.inbox());
         let ColumnTypes {
             text: t,
@@ -183,29 +302,15 @@ impl Ddl {
     }
 
     /// The partial index of version 2 that yields claimable rows in claim order.
-    pub(crate) fn claim_index(o: &str) -> String {
+    fn claim_index(o: &str) -> String {
         format!(
             "CREATE INDEX IF NOT EXISTS {o}_claim_idx ON {o} (created_at, id) WHERE state IN ('pending', 'failed')"
         )
     }
 
-    /// Trellis 0.10's outbox table (column `event` instead of `name`, no `kind`, no
-    /// `outcome`) brought to version 1's columns in place, as upstream 0.11.0-rc.3 did: 0.10
-    /// rows were all events.
-    pub(crate) fn upgrade_0_10(o: &str, types: &ColumnTypes) -> Vec<String> {
-        vec![
-            format!("ALTER TABLE {o} RENAME COLUMN event TO name"),
-            format!(
-                "ALTER TABLE {o} ADD COLUMN kind {} NOT NULL DEFAULT 'event.publish'",
-                types.text
-            ),
-            format!("ALTER TABLE {o} ADD COLUMN outcome {}", types.json),
-        ]
-    }
-
     /// Version 4: the indexes retention deletes through, oldest first: dispatched rows by
     /// `updated_at` (partial, so open rows never enter it) and inbox rows by `received_at`.
-    pub(crate) fn v4(tables: &OutboxTables) -> Self {
+    fn v4(tables: &OutboxTables) -> Self {
         let (o, i) = (tables.outbox(), tables.inbox());
         Ddl {
             up: vec![
@@ -223,7 +328,7 @@ impl Ddl {
 
     /// Version 3's claim index: also upstream Trellis' `claimed` rows, which become
     /// claimable when their claim (`next_attempt_at`) ends.
-    pub(crate) fn claim_index_v3(o: &str) -> [String; 2] {
+    fn claim_index_v3(o: &str) -> [String; 2] {
         [
             format!("DROP INDEX IF EXISTS {o}_claim_idx"),
             format!(

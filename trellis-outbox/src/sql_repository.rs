@@ -12,7 +12,7 @@ use crate::dispatch::{
     Claim, Dispatched, Failure, OutboxRepository, PoisonRow, RetryOutcome, due_in,
 };
 use crate::driver::OutboxDatabase;
-use crate::driver::sealed::On;
+use crate::driver::sealed::{ClaimDue, Fenced, On};
 use crate::error::{Error, Result};
 use crate::sql::SqlStatements;
 use crate::tables::OutboxTables;
@@ -110,7 +110,7 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
     /// ```
     pub async fn purge_dispatched(&self, older_than: Duration, batch: usize) -> Result<u64> {
         self.purge(
-            &self.sql.purge_dispatched,
+            &self.sql.text.purge_dispatched,
             older_than,
             batch,
             "purge dispatched rows",
@@ -127,8 +127,13 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
     ///
     /// As [`purge_dispatched`](Self::purge_dispatched).
     pub async fn purge_inbox(&self, older_than: Duration, batch: usize) -> Result<u64> {
-        self.purge(&self.sql.purge_inbox, older_than, batch, "purge inbox rows")
-            .await
+        self.purge(
+            &self.sql.text.purge_inbox,
+            older_than,
+            batch,
+            "purge inbox rows",
+        )
+        .await
     }
 
     async fn purge(
@@ -198,21 +203,31 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
         lease: Duration,
         cutoff: Option<DateTime<Utc>>,
     ) -> Result<Claim> {
-        DB::claim_due(self.on(), limit, lease, cutoff).await
+        DB::claim_due(self.on(), ClaimDue::new(limit, lease, cutoff)).await
     }
 
     async fn mark_dispatched(&self, claim: &Claim, rows: &[Dispatched]) -> Result<u64> {
         if rows.is_empty() {
             return Ok(0);
         }
-        DB::mark_dispatched(self.on(), &claim.token, rows).await
+        let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
+        let (sql, list, outcomes) = if rows.iter().all(|r| r.outcome.is_none()) {
+            // Events carry no outcome: the plain statement saves the per-row lookup.
+            (&self.sql.text.mark_dispatched, DB::ids(&ids)?, None)
+        } else {
+            let (list, outcomes) = DB::outcomes(&ids, rows)?;
+            (&self.sql.text.mark_dispatched_with_outcomes, list, outcomes)
+        };
+        DB::mark_rows(&self.pool, sql, list, &claim.token, outcomes)
+            .await
+            .map_err(Error::repository("mark dispatched"))
     }
 
     async fn mark_failures(&self, claim: &Claim, failures: &[Failure]) -> Result<Vec<String>> {
         if failures.is_empty() {
             return Ok(Vec::new());
         }
-        DB::mark_failures(self.on(), &claim.token, failures).await
+        DB::mark_failures(self.fenced(claim), failures).await
     }
 
     fn extends_leases(&self) -> bool {
@@ -222,7 +237,7 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
     async fn extend_lease(&self, claim: &Claim, ids: &[&str], lease: Duration) -> Result<u64> {
         self.update_leases(
             "extend lease",
-            &self.sql.extend_lease,
+            &self.sql.text.extend_lease,
             claim,
             ids,
             Some(lease),
@@ -231,7 +246,7 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
     }
 
     async fn release(&self, claim: &Claim, ids: &[&str]) -> Result<u64> {
-        self.update_leases("release", &self.sql.release, claim, ids, None)
+        self.update_leases("release", &self.sql.text.release, claim, ids, None)
             .await
     }
 
@@ -244,11 +259,20 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
     }
 
     async fn sweep_unfinishable(&self) -> Result<Vec<PoisonRow>> {
-        DB::sweep_unfinishable(self.on()).await
+        let rows = DB::fetch_texts::<DB::Text>(&self.pool, &self.sql.text.sweep_unfinishable)
+            .await
+            .map_err(Error::repository("sweep unfinishable rows"))?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, reason)| PoisonRow {
+                id: DB::text(id),
+                reason: reason.map(DB::text).unwrap_or_default(),
+            })
+            .collect())
     }
 
     async fn next_due_in(&self) -> Result<Option<Duration>> {
-        let seconds = DB::fetch_seconds(&self.pool, &self.sql.next_due_in)
+        let seconds = DB::fetch_seconds(&self.pool, &self.sql.text.next_due_in)
             .await
             .map_err(Error::repository("next due"))?;
         Ok(seconds.map(due_in))
@@ -276,5 +300,13 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
         DB::mark_rows(&self.pool, sql, DB::ids(ids)?, &claim.token, lease)
             .await
             .map_err(Error::repository(operation))
+    }
+
+    fn fenced<'a>(&'a self, claim: &'a Claim) -> Fenced<'a, DB> {
+        Fenced {
+            pool: &self.pool,
+            sql: &self.sql,
+            token: &claim.token,
+        }
     }
 }

@@ -3,18 +3,17 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
-use sqlx::postgres::{PgConnection, PgQueryResult, PgRow};
+use sqlx::postgres::{PgQueryResult, PgRow};
 use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, PgPool, Postgres, Transaction};
 
 use super::sql;
-use crate::driver::sealed::{Applied, Backend, MigrationBackend, RowsAffected};
+use crate::driver::sealed::{Backend, Enqueue, MigrationBackend, RowsAffected};
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
-use crate::row::{batch_result, first_id, headers_json, read};
-use crate::sql::{SqlStatements, statement};
+use crate::row::{bind_content, first_id, headers_json, read};
+use crate::sql::statement;
 use crate::tables::Dialect;
-use crate::time::now_millis;
 
 /// Rows per `UNNEST` insert: bounds the size of one statement's arrays.
 const BATCH_ROWS: usize = 5_000;
@@ -33,56 +32,38 @@ impl Backend for Postgres {
 
     type Time = DateTime<Utc>;
 
-    fn decode(row: &PgRow) -> Result<OutboxMessage> {
-        decode(row)
-    }
-
     fn time(time: DateTime<Utc>) -> DateTime<Utc> {
         time
     }
 
-    async fn insert_one(
-        conn: &mut PgConnection,
-        sql: &SqlStatements,
-        record: PreparedOutboxRecord,
-    ) -> Result<OutboxMessage> {
-        let now = now_millis();
-        let enqueue_error = |source| Error::Enqueue {
-            id: record.id.clone(),
-            source,
-        };
-        let inserted = sqlx::query(statement(&sql.enqueue))
-            .bind(&record.id)
-            .bind(record.kind.as_str())
-            .bind(&record.name)
-            .bind(&record.subject)
-            .bind(&record.payload)
+    fn decode(row: &PgRow) -> Result<OutboxMessage> {
+        read::<_, DateTime<Utc>, Json<BTreeMap<String, String>>, Json<serde_json::Value>, i32>(row)?
+            .into_message()
+    }
+
+    async fn insert_row(on: &mut Enqueue<'_, Self>, record: &PreparedOutboxRecord) -> Result<bool> {
+        // The statement answers a row only when it inserted one.
+        let inserted = bind_content(sqlx::query(statement(&on.sql.text.enqueue)), record)
             .bind(Json(&record.headers))
             .bind("pending")
             .bind(0_i32)
-            .bind(now)
-            .bind(now)
+            .bind(on.now)
+            .bind(on.now)
             .bind(None::<DateTime<Utc>>)
             .bind(None::<String>)
             .bind(None::<Json<serde_json::Value>>)
-            .bind(sql.notify_bind())
-            .fetch_optional(&mut *conn)
+            .bind(on.sql.notify_bind())
+            .fetch_optional(&mut *on.conn)
             .await
-            .map_err(enqueue_error)?
-            .is_some();
-        if inserted {
-            return Ok(OutboxMessage::pending(record, now));
-        }
-        Self::stored(conn, sql, &record).await
+            .map_err(Error::enqueue(&record.id))?;
+        Ok(inserted.is_some())
     }
 
-    async fn insert_many(
-        conn: &mut PgConnection,
-        sql: &SqlStatements,
-        records: Vec<PreparedOutboxRecord>,
-    ) -> Result<Vec<OutboxMessage>> {
-        let now = now_millis();
-        let insert = sql::insert_batch(sql);
+    async fn insert_rows(
+        on: &mut Enqueue<'_, Self>,
+        records: &[PreparedOutboxRecord],
+    ) -> Result<u64> {
+        let insert = sql::insert_batch(on.sql);
         let mut inserted = 0;
         for chunk in records.chunks(BATCH_ROWS) {
             let mut columns: [Vec<&str>; 5] = Default::default();
@@ -103,17 +84,28 @@ impl Backend for Postgres {
                 .bind(subjects)
                 .bind(payloads)
                 .bind(headers)
-                .bind(now)
-                .bind(sql.notify_bind())
-                .fetch_one(&mut *conn)
+                .bind(on.now)
+                .bind(on.sql.notify_bind())
+                .fetch_one(&mut *on.conn)
                 .await
-                .map_err(|source| Error::Enqueue {
-                    id: first_id(chunk),
-                    source,
-                })?;
+                .map_err(Error::enqueue(first_id(chunk)))?;
             inserted += u64::try_from(count).unwrap_or(0);
         }
-        batch_result(records, inserted, now, |ids| read_stored(conn, sql, ids)).await
+        Ok(inserted)
+    }
+
+    async fn read_stored(
+        on: &mut Enqueue<'_, Self>,
+        ids: Vec<String>,
+    ) -> Result<BTreeMap<String, OutboxMessage>> {
+        let rows = sqlx::query(AssertSqlSafe(sql::select_stored(on.sql)))
+            .bind(&ids)
+            .fetch_all(&mut *on.conn)
+            .await
+            .map_err(Error::enqueue(ids.first().map_or("", String::as_str)))?;
+        rows.iter()
+            .map(|row| Self::decode(row).map(|message| (message.id.clone(), message)))
+            .collect()
     }
 }
 
@@ -123,10 +115,8 @@ impl MigrationBackend for Postgres {
         "SELECT version::int8, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = $1";
     const COLUMNS: &'static str = "SELECT column_name::text FROM information_schema.columns \
          WHERE table_schema = current_schema() AND table_name = $1";
-
-    fn upgrade_0_10(tables: &crate::tables::OutboxTables) -> Vec<String> {
-        super::schema::upgrade_0_10(tables)
-    }
+    /// The database's clock writes `applied_at`.
+    const RECORD: &'static str = "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum) VALUES ($1, $2, $3, $4)";
 
     async fn begin_migration(pool: &PgPool) -> sqlx::Result<Transaction<'static, Postgres>> {
         let mut tx = pool.begin().await?;
@@ -137,46 +127,4 @@ impl MigrationBackend for Postgres {
             .await?;
         Ok(tx)
     }
-
-    async fn record_migration(
-        tx: &mut Transaction<'static, Postgres>,
-        outbox: &str,
-        migration: Applied<'_>,
-    ) -> sqlx::Result<()> {
-        sqlx::query(
-            "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum) VALUES ($1, $2, $3, $4)",
-        )
-            .bind(outbox)
-            .bind(i32::try_from(migration.version).unwrap_or(i32::MAX))
-            .bind(migration.id)
-            .bind(migration.checksum)
-            .execute(&mut **tx)
-            .await?;
-        Ok(())
-    }
-}
-
-/// Reads the stored rows of `ids`.
-async fn read_stored(
-    conn: &mut PgConnection,
-    sql: &SqlStatements,
-    ids: Vec<String>,
-) -> Result<BTreeMap<String, OutboxMessage>> {
-    let rows = sqlx::query(AssertSqlSafe(sql::select_stored(sql)))
-        .bind(&ids)
-        .fetch_all(&mut *conn)
-        .await
-        .map_err(|source| Error::Enqueue {
-            id: ids.first().cloned().unwrap_or_default(),
-            source,
-        })?;
-    rows.iter()
-        .map(|row| decode(row).map(|message| (message.id.clone(), message)))
-        .collect()
-}
-
-/// Decodes a row that selected [`COLUMNS`](crate::sql::COLUMNS) first, in order.
-pub(crate) fn decode(row: &PgRow) -> Result<OutboxMessage> {
-    read::<_, DateTime<Utc>, Json<BTreeMap<String, String>>, Json<serde_json::Value>, i32>(row)?
-        .into_message()
 }

@@ -1,19 +1,17 @@
 //! The PostgreSQL steps of [`SqlOutboxRepository`](crate::SqlOutboxRepository): the claim with
-//! `FOR UPDATE SKIP LOCKED`, the batched marks over `UNNEST` arrays, retry and sweep.
+//! `FOR UPDATE SKIP LOCKED`, the batched failure marks over `UNNEST` arrays, and retry; what
+//! the shared steps bind (arrays) and read (text) on Postgres.
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::{Postgres, Row};
 
-use super::database::decode;
 use super::sql::PgOnly;
-use crate::dispatch::{Claim, Dispatched, Failure, FailureOutcome, PoisonRow, RetryOutcome};
-use crate::driver::sealed::On;
-use crate::driver::sealed::RepositoryBackend;
+use crate::dispatch::{Claim, Dispatched, Failure, FailureOutcome, RetryOutcome};
+use crate::driver::sealed::{Backend, ClaimDue, Fenced, On, RepositoryBackend};
 use crate::driver::sql_seconds;
 use crate::error::{Error, Result};
-use crate::record::new_id;
 use crate::sql::statement;
 use crate::tables::OutboxTables;
 
@@ -22,6 +20,9 @@ impl RepositoryBackend for Postgres {
     /// Seconds, for `make_interval(secs => …)`.
     type Interval = f64;
     type Ids<'a> = &'a [&'a str];
+    /// One per id, in the ids' order.
+    type Outcomes = Vec<Option<String>>;
+    type Text = String;
 
     // The claim skips locked rows, and claim, publish and mark touch disjoint rows.
     const OVERLAPS_BATCHES: bool = true;
@@ -38,62 +39,43 @@ impl RepositoryBackend for Postgres {
         Ok(ids)
     }
 
-    async fn claim_due(
-        on: On<'_, Self>,
-        limit: usize,
-        lease: Duration,
-        cutoff: Option<DateTime<Utc>>,
-    ) -> Result<Claim> {
-        let token = new_id();
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    fn outcomes<'a>(
+        ids: &'a [&'a str],
+        rows: &'a [Dispatched],
+    ) -> Result<(&'a [&'a str], Option<Vec<Option<String>>>)> {
+        let outcomes = rows
+            .iter()
+            .map(|r| r.outcome.as_ref().map(serde_json::Value::to_string))
+            .collect();
+        Ok((ids, Some(outcomes)))
+    }
+
+    fn text(text: String) -> String {
+        text
+    }
+
+    async fn claim_due(on: On<'_, Self>, due: ClaimDue) -> Result<Claim> {
         let rows = sqlx::query(statement(&on.only.claim))
-            .bind(limit)
-            .bind(sql_seconds(lease))
-            .bind(&token)
-            .bind(cutoff)
+            .bind(due.limit)
+            .bind(sql_seconds(due.lease))
+            .bind(&due.token)
+            .bind(due.cutoff)
             .bind(on.beside_upstream)
             .fetch_all(on.pool)
             .await
             .map_err(Error::repository("claim"))?;
         let Some(first) = rows.first() else {
-            return Ok(Claim::empty(token, cutoff.unwrap_or_else(Utc::now)));
+            return Ok(due.nothing_due());
         };
         let cutoff: DateTime<Utc> = first
             .try_get("claim_cutoff")
             .map_err(|e| Error::decode("", "claim_cutoff", e))?;
-        let mut claim = Claim::empty(token, cutoff);
-        claim.extend(&rows, decode, |row| row.try_get("id").ok());
+        let mut claim = Claim::empty(due.token, cutoff);
+        claim.extend(&rows, Self::decode, |row| row.try_get("id").ok());
         Ok(claim)
     }
 
-    async fn mark_dispatched(on: On<'_, Self>, token: &str, rows: &[Dispatched]) -> Result<u64> {
-        let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
-        let query = if rows.iter().all(|r| r.outcome.is_none()) {
-            sqlx::query(statement(&on.sql.mark_dispatched))
-                .bind(ids)
-                .bind(token)
-        } else {
-            let outcomes: Vec<Option<String>> = rows
-                .iter()
-                .map(|r| r.outcome.as_ref().map(serde_json::Value::to_string))
-                .collect();
-            sqlx::query(statement(&on.sql.mark_dispatched_with_outcomes))
-                .bind(ids)
-                .bind(outcomes)
-                .bind(token)
-        };
-        let result = query
-            .execute(on.pool)
-            .await
-            .map_err(Error::repository("mark dispatched"))?;
-        Ok(result.rows_affected())
-    }
-
-    async fn mark_failures(
-        on: On<'_, Self>,
-        token: &str,
-        failures: &[Failure],
-    ) -> Result<Vec<String>> {
+    async fn mark_failures(on: Fenced<'_, Self>, failures: &[Failure]) -> Result<Vec<String>> {
         let mut ids = Vec::with_capacity(failures.len());
         let mut errors = Vec::with_capacity(failures.len());
         let mut delays = Vec::with_capacity(failures.len());
@@ -108,19 +90,19 @@ impl RepositoryBackend for Postgres {
             delays.push(delay);
             adds.push(add);
         }
-        sqlx::query_scalar(statement(&on.sql.mark_failures))
+        sqlx::query_scalar(statement(&on.sql.text.mark_failures))
             .bind(ids)
             .bind(errors)
             .bind(delays)
             .bind(adds)
-            .bind(token)
+            .bind(on.token)
             .fetch_all(on.pool)
             .await
             .map_err(Error::repository("mark failures"))
     }
 
     async fn retry(on: On<'_, Self>, id: &str) -> Result<RetryOutcome> {
-        let row = sqlx::query(statement(&on.sql.retry))
+        let row = sqlx::query(statement(&on.sql.text.retry))
             .bind(id)
             .fetch_optional(on.pool)
             .await
@@ -149,20 +131,5 @@ impl RepositoryBackend for Postgres {
             // Not reached: a failed or dead row is refused only under a lease.
             None => Ok(RetryOutcome::NotRetryable { state }),
         }
-    }
-
-    async fn sweep_unfinishable(on: On<'_, Self>) -> Result<Vec<PoisonRow>> {
-        let rows: Vec<(String, Option<String>)> =
-            sqlx::query_as(statement(&on.sql.sweep_unfinishable))
-                .fetch_all(on.pool)
-                .await
-                .map_err(Error::repository("sweep unfinishable rows"))?;
-        Ok(rows
-            .into_iter()
-            .map(|(id, reason)| PoisonRow {
-                id,
-                reason: reason.unwrap_or_default(),
-            })
-            .collect())
     }
 }

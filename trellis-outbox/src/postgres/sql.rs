@@ -6,18 +6,16 @@ use crate::sql::OPEN_STATES;
 
 /// The `next_attempt_at` of a `dead` row: far enough that an upstream Trellis dispatcher,
 /// which claims every undispatched row once it is due, never takes it.
-const NEVER: &str = "'9999-12-31 23:59:59.999+00'";
-use crate::sql::{COLUMNS, SqlStatements, notify_channel};
-use crate::tables::{Dialect, OutboxTables};
+pub(crate) const NEVER: &str = "'9999-12-31 23:59:59.999+00'";
+#[cfg(feature = "postgres")]
+use crate::sql::SqlStatements;
+use crate::sql::{COLUMNS, Texts};
+use crate::tables::OutboxTables;
 
 /// The statements both dialects send, in Postgres' words.
-pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
+pub(crate) fn statements(tables: &OutboxTables) -> Texts {
     let (o, i) = (tables.outbox(), tables.inbox());
-    SqlStatements {
-        dialect: Dialect::Postgres,
-        outbox_table: o.into(),
-        notify_channel: notify_channel(tables).into(),
-        notify: true,
+    Texts {
         // Upstream's INSERT, wrapped so that a row actually inserted also sends a wake-up
         // notification ($14 = channel; NULL sends none) in the same round trip; Postgres
         // delivers it only when the transaction commits.
@@ -40,8 +38,8 @@ pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
         mark_dispatched_with_outcomes: format!(
             "UPDATE {o} AS o SET state = 'dispatched', updated_at = now(), next_attempt_at = NULL, \
              last_error = NULL, outcome = d.outcome::jsonb, claimed_until = NULL, claim_token = NULL \
-             FROM UNNEST($1::text[], $2::text[]) AS d(id, outcome) \
-             WHERE o.id = d.id AND o.claim_token = $3"
+             FROM UNNEST($1::text[], $3::text[]) AS d(id, outcome) \
+             WHERE o.id = d.id AND o.claim_token = $2"
         )
         .into(),
         // $1 ids, $2 errors, $3 retry delays in seconds (NULL: dead), $4 attempts to add,

@@ -5,17 +5,17 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
-use sqlx::sqlite::{SqliteConnection, SqliteQueryResult, SqliteRow};
+use sqlx::sqlite::{SqliteQueryResult, SqliteRow};
 use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool, Transaction};
 
 use super::sql;
-use crate::driver::sealed::{Applied, Backend, MigrationBackend, RowsAffected};
+use crate::driver::sealed::{Backend, Enqueue, MigrationBackend, RowsAffected};
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
-use crate::row::{RawRow, batch_result, first_id, get, headers_json, read};
-use crate::sql::{SqlStatements, statement};
+use crate::row::{RawRow, bind_content, first_id, get, headers_json, read};
+use crate::sql::statement;
 use crate::tables::Dialect;
-use crate::time::{format_timestamp, now_millis};
+use crate::time::format_timestamp;
 
 /// Bind parameters per batch-insert row.
 const PARAMS_PER_ROW: usize = 8;
@@ -35,33 +35,18 @@ impl Backend for Sqlite {
     /// Trellis' text format ([`format_timestamp`]).
     type Time = String;
 
-    fn decode(row: &SqliteRow) -> Result<OutboxMessage> {
-        decode(row)
-    }
-
     fn time(time: DateTime<Utc>) -> String {
         format_timestamp(time)
     }
 
-    async fn insert_one(
-        conn: &mut SqliteConnection,
-        sql: &SqlStatements,
-        record: PreparedOutboxRecord,
-    ) -> Result<OutboxMessage> {
-        let now = now_millis();
-        let stamp = format_timestamp(now);
-        let headers = headers_json(&record)?;
-        let enqueue_error = |source| Error::Enqueue {
-            id: record.id.clone(),
-            source,
-        };
-        let inserted = sqlx::query(statement(&sql.enqueue))
-            .bind(&record.id)
-            .bind(record.kind.as_str())
-            .bind(&record.name)
-            .bind(&record.subject)
-            .bind(&record.payload)
-            .bind(headers)
+    fn decode(row: &SqliteRow) -> Result<OutboxMessage> {
+        read::<_, &str, &str, &str, i64>(row)?.into_message()
+    }
+
+    async fn insert_row(on: &mut Enqueue<'_, Self>, record: &PreparedOutboxRecord) -> Result<bool> {
+        let stamp = format_timestamp(on.now);
+        let result = bind_content(sqlx::query(statement(&on.sql.text.enqueue)), record)
+            .bind(headers_json(record)?)
             .bind("pending")
             .bind(0_i32)
             .bind(&stamp)
@@ -69,48 +54,56 @@ impl Backend for Sqlite {
             .bind(None::<String>)
             .bind(None::<String>)
             .bind(None::<String>)
-            .execute(&mut *conn)
+            .execute(&mut *on.conn)
             .await
-            .map_err(enqueue_error)?
-            .rows_affected();
-        if inserted == 1 {
-            return Ok(OutboxMessage::pending(record, now));
-        }
-        Self::stored(conn, sql, &record).await
+            .map_err(Error::enqueue(&record.id))?;
+        Ok(result.rows_affected() == 1)
     }
 
-    async fn insert_many(
-        conn: &mut SqliteConnection,
-        sql: &SqlStatements,
-        records: Vec<PreparedOutboxRecord>,
-    ) -> Result<Vec<OutboxMessage>> {
-        let now = now_millis();
-        let stamp = format_timestamp(now);
+    async fn insert_rows(
+        on: &mut Enqueue<'_, Self>,
+        records: &[PreparedOutboxRecord],
+    ) -> Result<u64> {
+        let stamp = format_timestamp(on.now);
         let mut inserted = 0;
         for chunk in records.chunks(BATCH_ROWS) {
             debug_assert!(chunk.len() * PARAMS_PER_ROW <= 32_766);
-            let mut query = sqlx::query(AssertSqlSafe(sql::insert_rows(sql, chunk.len())));
+            let mut query = sqlx::query(AssertSqlSafe(sql::insert_rows(on.sql, chunk.len())));
             for r in chunk {
-                query = query
-                    .bind(&r.id)
-                    .bind(r.kind.as_str())
-                    .bind(&r.name)
-                    .bind(&r.subject)
-                    .bind(&r.payload)
+                query = bind_content(query, r)
                     .bind(headers_json(r)?)
                     .bind(&stamp)
                     .bind(&stamp);
             }
             inserted += query
-                .execute(&mut *conn)
+                .execute(&mut *on.conn)
                 .await
-                .map_err(|source| Error::Enqueue {
-                    id: first_id(chunk),
-                    source,
-                })?
+                .map_err(Error::enqueue(first_id(chunk)))?
                 .rows_affected();
         }
-        batch_result(records, inserted, now, |ids| read_stored(conn, sql, ids)).await
+        Ok(inserted)
+    }
+
+    async fn read_stored(
+        on: &mut Enqueue<'_, Self>,
+        ids: Vec<String>,
+    ) -> Result<BTreeMap<String, OutboxMessage>> {
+        let mut stored = BTreeMap::new();
+        for chunk in ids.chunks(BATCH_ROWS) {
+            let mut query = sqlx::query(AssertSqlSafe(sql::select_stored(on.sql, chunk.len())));
+            for id in chunk {
+                query = query.bind(id.as_str());
+            }
+            let rows = query
+                .fetch_all(&mut *on.conn)
+                .await
+                .map_err(Error::enqueue(chunk.first().map_or("", String::as_str)))?;
+            for row in &rows {
+                let message = Self::decode(row)?;
+                stored.insert(message.id.clone(), message);
+            }
+        }
+        Ok(stored)
     }
 }
 
@@ -119,65 +112,13 @@ impl MigrationBackend for Sqlite {
     const RECORDED: &'static str =
         "SELECT version, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = ?";
     const COLUMNS: &'static str = "SELECT name FROM pragma_table_info(?)";
-
-    fn upgrade_0_10(tables: &crate::tables::OutboxTables) -> Vec<String> {
-        super::schema::upgrade_0_10(tables)
-    }
+    /// SQLite's clock writes `applied_at` ([`format_timestamp`]'s format).
+    const RECORD: &'static str = "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum, applied_at) VALUES (?, ?, ?, ?, strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))";
 
     async fn begin_migration(pool: &SqlitePool) -> sqlx::Result<Transaction<'static, Sqlite>> {
         // BEGIN IMMEDIATE takes the write lock up front, serialising concurrent callers.
         pool.begin_with("BEGIN IMMEDIATE").await
     }
-
-    async fn record_migration(
-        tx: &mut Transaction<'static, Sqlite>,
-        outbox: &str,
-        migration: Applied<'_>,
-    ) -> sqlx::Result<()> {
-        sqlx::query(
-            "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum, applied_at) VALUES (?, ?, ?, ?, ?)",
-        )
-            .bind(outbox)
-            .bind(i64::from(migration.version))
-            .bind(migration.id)
-            .bind(migration.checksum)
-            .bind(format_timestamp(now_millis()))
-            .execute(&mut **tx)
-            .await?;
-        Ok(())
-    }
-}
-
-/// Reads the stored rows of `ids`.
-async fn read_stored(
-    conn: &mut SqliteConnection,
-    sql: &SqlStatements,
-    ids: Vec<String>,
-) -> Result<BTreeMap<String, OutboxMessage>> {
-    let mut stored = BTreeMap::new();
-    for chunk in ids.chunks(BATCH_ROWS) {
-        let mut query = sqlx::query(AssertSqlSafe(sql::select_stored(sql, chunk.len())));
-        for id in chunk {
-            query = query.bind(id.as_str());
-        }
-        let rows = query
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(|source| Error::Enqueue {
-                id: chunk.first().cloned().unwrap_or_default(),
-                source,
-            })?;
-        for row in &rows {
-            let message = decode(row)?;
-            stored.insert(message.id.clone(), message);
-        }
-    }
-    Ok(stored)
-}
-
-/// Decodes a row that selected [`COLUMNS`](crate::sql::COLUMNS) first, in order.
-pub(crate) fn decode(row: &SqliteRow) -> Result<OutboxMessage> {
-    read::<_, &str, &str, &str, i64>(row)?.into_message()
 }
 
 /// The packed values of [`CLAIM_COLUMNS`](sql::CLAIM_COLUMNS), in order.
@@ -196,7 +137,7 @@ type Packed<'r> = (
 ///
 /// `Ok(None)`: the packed values are not what a decodable row holds (say `attempts` is text,
 /// a time holds a character JSON escapes, or a column holds a BLOB); read the row's columns
-/// one by one ([`decode`]) to learn exactly what is wrong with it.
+/// one by one ([`Backend::decode`]) to learn exactly what is wrong with it.
 pub(crate) fn decode_claimed(row: &SqliteRow) -> Result<Option<OutboxMessage>> {
     let id: String = get(row, "", 0, "id")?;
     let id_ref = id.as_str();

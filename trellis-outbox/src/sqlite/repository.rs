@@ -1,20 +1,18 @@
 //! The SQLite steps of [`SqlOutboxRepository`](crate::SqlOutboxRepository): the claim (one
-//! `UPDATE … RETURNING` of packed rows), the batched marks over JSON arrays, retry and sweep.
+//! `UPDATE … RETURNING` of packed rows), the batched failure marks over JSON arrays, and
+//! retry; what the shared steps bind (JSON arrays) and read (bytes) on SQLite.
 
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use sqlx::sqlite::SqliteRow;
 use sqlx::{AssertSqlSafe, Row, Sqlite};
 
-use super::database::{decode, decode_claimed};
+use super::database::decode_claimed;
 use super::sql::{CLAIM_COLUMN_COUNT, SqliteOnly};
 use crate::dispatch::{Claim, Dispatched, Failure, FailureOutcome, PoisonRow, RetryOutcome};
-use crate::driver::sealed::On;
-use crate::driver::sealed::RepositoryBackend;
+use crate::driver::sealed::{Backend, ClaimDue, Fenced, On, RepositoryBackend};
 use crate::driver::sql_seconds;
 use crate::error::{Error, Result};
-use crate::record::new_id;
 use crate::sql::statement;
 use crate::tables::OutboxTables;
 use crate::time::{format_timestamp, parse_timestamp};
@@ -25,6 +23,10 @@ impl RepositoryBackend for Sqlite {
     type Interval = String;
     /// A JSON array.
     type Ids<'a> = String;
+    /// None: the outcomes go in the list, as `[id, outcome]` pairs.
+    type Outcomes = String;
+    /// Bytes: a stored value need not be UTF-8.
+    type Text = Vec<u8>;
 
     // Writers queue behind one lock: overlapping batches would only add lock waits.
     const OVERLAPS_BATCHES: bool = false;
@@ -41,14 +43,18 @@ impl RepositoryBackend for Sqlite {
         json_array(&ids)
     }
 
-    async fn claim_due(
-        on: On<'_, Self>,
-        limit: usize,
-        lease: Duration,
-        cutoff: Option<DateTime<Utc>>,
-    ) -> Result<Claim> {
-        let token = new_id();
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    fn outcomes<'a>(_: &'a [&'a str], rows: &'a [Dispatched]) -> Result<(String, Option<String>)> {
+        let pairs: Vec<(&str, &Option<serde_json::Value>)> =
+            rows.iter().map(|r| (r.id.as_str(), &r.outcome)).collect();
+        Ok((json_array(&pairs)?, None))
+    }
+
+    fn text(text: Vec<u8>) -> String {
+        String::from_utf8(text)
+            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
+    }
+
+    async fn claim_due(on: On<'_, Self>, due: ClaimDue) -> Result<Claim> {
         // The first claim of a wave learns the cutoff (the database's clock) from the claim
         // itself; later claims pass it in and need not read it back.
         let claim = if on.beside_upstream {
@@ -56,21 +62,21 @@ impl RepositoryBackend for Sqlite {
         } else {
             &on.only.claim
         };
-        let sql = claim.get(limit, cutoff.is_none());
+        let sql = claim.get(due.limit, due.cutoff.is_none());
         // One autocommit UPDATE: SQLite takes the write lock when the statement starts, so
         // the claim is atomic and concurrent claimers queue on the busy timeout (the same
         // guarantee as BEGIN IMMEDIATE, in one round trip).
         let rows = sqlx::query(AssertSqlSafe(sql))
-            .bind(Self::interval(lease))
-            .bind(&token)
-            .bind(cutoff.map(format_timestamp))
+            .bind(Self::interval(due.lease))
+            .bind(&due.token)
+            .bind(due.cutoff.map(format_timestamp))
             .fetch_all(on.pool)
             .await
             .map_err(Error::repository("claim"))?;
         let Some(first) = rows.first() else {
-            return Ok(Claim::empty(token, cutoff.unwrap_or_else(Utc::now)));
+            return Ok(due.nothing_due());
         };
-        let cutoff = match cutoff {
+        let cutoff = match due.cutoff {
             Some(cutoff) => cutoff,
             None => {
                 let text: &str = first
@@ -80,7 +86,7 @@ impl RepositoryBackend for Sqlite {
                     .map_err(|e| Error::decode("", "claim_cutoff", format!("{text:?}: {e}")))?
             }
         };
-        let mut claim = Claim::empty(token, cutoff);
+        let mut claim = Claim::empty(due.token, cutoff);
         // Rows whose packed values are unusual, to be read column by column.
         let mut unread = Vec::new();
         for row in &rows {
@@ -102,34 +108,11 @@ impl RepositoryBackend for Sqlite {
         };
         // Also puts every message in dispatch order: RETURNING does not keep the claim
         // subquery's order.
-        claim.extend(&unread, decode, |row| row.try_get(0).ok());
+        claim.extend(&unread, Self::decode, |row| row.try_get(0).ok());
         Ok(claim)
     }
 
-    async fn mark_dispatched(on: On<'_, Self>, token: &str, rows: &[Dispatched]) -> Result<u64> {
-        // Events carry no outcome: the plain statement avoids a per-row JSON lookup.
-        let (sql, list) = if rows.iter().all(|r| r.outcome.is_none()) {
-            let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
-            (&on.sql.mark_dispatched, json_array(&ids)?)
-        } else {
-            let pairs: Vec<(&str, &Option<serde_json::Value>)> =
-                rows.iter().map(|r| (r.id.as_str(), &r.outcome)).collect();
-            (&on.sql.mark_dispatched_with_outcomes, json_array(&pairs)?)
-        };
-        let result = sqlx::query(statement(sql))
-            .bind(list)
-            .bind(token)
-            .execute(on.pool)
-            .await
-            .map_err(Error::repository("mark dispatched"))?;
-        Ok(result.rows_affected())
-    }
-
-    async fn mark_failures(
-        on: On<'_, Self>,
-        token: &str,
-        failures: &[Failure],
-    ) -> Result<Vec<String>> {
+    async fn mark_failures(on: Fenced<'_, Self>, failures: &[Failure]) -> Result<Vec<String>> {
         let entries: Vec<(&str, &str, Option<String>, i32)> = failures
             .iter()
             .map(|f| match f.outcome {
@@ -147,9 +130,9 @@ impl RepositoryBackend for Sqlite {
                 ),
             })
             .collect();
-        sqlx::query_scalar(statement(&on.sql.mark_failures))
+        sqlx::query_scalar(statement(&on.sql.text.mark_failures))
             .bind(json_array(&entries)?)
-            .bind(token)
+            .bind(on.token)
             .fetch_all(on.pool)
             .await
             .map_err(Error::repository("mark failures"))
@@ -163,7 +146,7 @@ impl RepositoryBackend for Sqlite {
             .begin_with("BEGIN IMMEDIATE")
             .await
             .map_err(Error::repository("retry"))?;
-        let result = sqlx::query(statement(&on.sql.retry))
+        let result = sqlx::query(statement(&on.sql.text.retry))
             .bind(id)
             .execute(&mut *tx)
             .await
@@ -180,7 +163,7 @@ impl RepositoryBackend for Sqlite {
             match found {
                 None => RetryOutcome::NotFound,
                 Some((state, until)) => {
-                    let state = lossy(state);
+                    let state = Self::text(state);
                     match until {
                         Some(until) if matches!(state.as_str(), "failed" | "dead") => {
                             RetryOutcome::Leased {
@@ -197,21 +180,6 @@ impl RepositoryBackend for Sqlite {
         tx.commit().await.map_err(Error::repository("retry"))?;
         Ok(outcome)
     }
-
-    async fn sweep_unfinishable(on: On<'_, Self>) -> Result<Vec<PoisonRow>> {
-        let rows: Vec<(Vec<u8>, Option<Vec<u8>>)> =
-            sqlx::query_as(statement(&on.sql.sweep_unfinishable))
-                .fetch_all(on.pool)
-                .await
-                .map_err(Error::repository("sweep unfinishable rows"))?;
-        Ok(rows
-            .into_iter()
-            .map(|(id, reason)| PoisonRow {
-                id: lossy(id),
-                reason: reason.map(lossy).unwrap_or_default(),
-            })
-            .collect())
-    }
 }
 
 /// Reads the claimed rows `ids`, whose packed values could not be decoded, column by column.
@@ -223,10 +191,6 @@ async fn read_claimed(on: On<'_, Sqlite>, token: &str, ids: &[String]) -> Result
         .fetch_all(on.pool)
         .await
         .map_err(Error::repository("claim"))
-}
-
-fn lossy(bytes: Vec<u8>) -> String {
-    String::from_utf8(bytes).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
 }
 
 fn json_array<T: serde::Serialize>(value: &T) -> Result<String> {

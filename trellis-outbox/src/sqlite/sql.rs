@@ -6,24 +6,22 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::dispatch::KNOWN_STATES;
 use crate::sql::OPEN_STATES;
-use crate::sql::{COLUMNS, SqlStatements, notify_channel};
-use crate::tables::{Dialect, OutboxTables};
+#[cfg(feature = "sqlite")]
+use crate::sql::SqlStatements;
+use crate::sql::{COLUMNS, Texts};
+use crate::tables::OutboxTables;
 
 /// SQLite's current time in the stored format, `YYYY-MM-DDTHH:MM:SS.SSSZ`.
 const NOW: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')";
 
 /// The `next_attempt_at` of a `dead` row: far enough that an upstream Trellis dispatcher,
 /// which claims every undispatched row once it is due, never takes it.
-const NEVER: &str = "'9999-12-31T23:59:59.999Z'";
+pub(crate) const NEVER: &str = "'9999-12-31T23:59:59.999Z'";
 
 /// The statements both dialects send, in SQLite's words.
-pub(crate) fn statements(tables: &OutboxTables) -> SqlStatements {
+pub(crate) fn statements(tables: &OutboxTables) -> Texts {
     let (o, i) = (tables.outbox(), tables.inbox());
-    SqlStatements {
-        dialect: Dialect::Sqlite,
-        outbox_table: o.into(),
-        notify_channel: notify_channel(tables).into(),
-        notify: false,
+    Texts {
         enqueue: format!(
             "INSERT INTO {o} ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO NOTHING"
         )
