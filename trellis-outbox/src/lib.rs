@@ -60,6 +60,8 @@
 #[allow(unused_extern_crates)]
 extern crate self as trellis_outbox;
 
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+mod admin;
 mod chain;
 #[cfg(feature = "cli")]
 pub mod cli;
@@ -93,6 +95,8 @@ mod tables;
 mod time;
 mod wire;
 
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub use crate::admin::OutboxStatus;
 #[cfg(feature = "nats")]
 pub use crate::consumer::{
     ConsumeFailure, Consumer, ConsumerBuilder, ConsumerError, ConsumerHandle, ConsumerReport,

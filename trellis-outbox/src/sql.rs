@@ -90,6 +90,12 @@ texts! {
     purge_dispatched,
     /// Deletes up to a limit of inbox rows received before an age (age, limit).
     purge_inbox,
+    /// Per state: the state, its row count, the age in seconds of its oldest row.
+    status,
+    /// Rows in a state (state, name or NULL for any, limit), oldest first, [`COLUMNS`].
+    list,
+    /// Moves every `dead` row (of a name, or NULL for all) back to `pending`, due now.
+    retry_dead,
 }
 
 impl SqlStatements {

@@ -82,6 +82,11 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
         self
     }
 
+    /// The statements this repository sends.
+    pub(crate) fn statements(&self) -> &SqlStatements {
+        &self.sql
+    }
+
     /// The pool this repository uses.
     pub fn pool(&self) -> &Pool<DB> {
         &self.pool

@@ -50,11 +50,13 @@ macro_rules! queries {
             DB::Arguments: sqlx::IntoArguments<DB>,
             for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
             for<'q> &'q str: Encode<'q, DB> + Type<DB>,
+            for<'q> Option<&'q str>: Encode<'q, DB> + Type<DB>,
             for<'q> i32: Encode<'q, DB> + Type<DB>,
             for<'q> i64: Encode<'q, DB> + Type<DB>,
             for<'q> f64: Encode<'q, DB> + Type<DB>,
             for<'r> Option<f64>: Decode<'r, DB> + Type<DB>,
             for<'r> (i64, String, String): sqlx::FromRow<'r, DB::Row>,
+            for<'r> (String, i64, Option<f64>): sqlx::FromRow<'r, DB::Row>,
             for<'r> String: Decode<'r, DB> + Type<DB>,
             usize: sqlx::ColumnIndex<DB::Row>,
             DB::QueryResult: RowsAffected,
@@ -96,6 +98,35 @@ queries! {
         sql: &'a Arc<str>,
     ) -> sqlx::Result<Vec<(T, Option<T>)>> {
         sqlx::query_as(statement(sql)).fetch_all(pool).await
+    }
+
+    /// Runs `sql`, which answers `(state, rows, age of the oldest in seconds)` per state.
+    fn fetch_status<'a>(
+        pool: &'a Pool<Self>,
+        sql: &'a Arc<str>,
+    ) -> sqlx::Result<Vec<(String, i64, Option<f64>)>> {
+        sqlx::query_as(statement(sql)).fetch_all(pool).await
+    }
+
+    /// Runs `sql` binding `first`, `second` (NULL for none) and a limit; the rows it returns.
+    fn fetch_rows<'a>(
+        pool: &'a Pool<Self>,
+        sql: &'a Arc<str>,
+        first: &'a str,
+        second: Option<&'a str>,
+        limit: i64,
+    ) -> sqlx::Result<Vec<Self::Row>> {
+        let query = sqlx::query(statement(sql)).bind(first).bind(second).bind(limit);
+        query.fetch_all(pool).await
+    }
+
+    /// Runs `sql` binding `value` (NULL for none); the rows it changed.
+    fn execute_one<'a>(
+        pool: &'a Pool<Self>,
+        sql: &'a Arc<str>,
+        value: Option<&'a str>,
+    ) -> sqlx::Result<u64> {
+        Ok(sqlx::query(statement(sql)).bind(value).execute(pool).await?.rows_affected())
     }
 
     /// Runs `sql` binding an age in seconds and a limit; the rows it deleted.

@@ -110,6 +110,23 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
              ORDER BY received_at LIMIT $2))"
         )
         .into(),
+        // A NULL state (another writer's) is counted under its own name.
+        status: format!(
+            "SELECT COALESCE(state, '(null)'), count(*), \
+             EXTRACT(EPOCH FROM now() - min(created_at))::float8 FROM {o} GROUP BY state"
+        )
+        .into(),
+        list: format!(
+            "SELECT {COLUMNS} FROM {o} WHERE state = $1 AND ($2::text IS NULL OR name = $2) \
+             ORDER BY created_at, id LIMIT $3"
+        )
+        .into(),
+        retry_dead: format!(
+            "UPDATE {o} SET state = 'pending', attempts = 0, updated_at = now(), \
+             next_attempt_at = NULL, claimed_until = NULL, claim_token = NULL \
+             WHERE state = 'dead' AND ($1::text IS NULL OR name = $1)"
+        )
+        .into(),
         // Clamped to [now, now + 100 years]: an infinite time (written by another
         // writer) cannot be subtracted from now() and would fail every call.
         next_due_in: format!(

@@ -119,6 +119,23 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
              ORDER BY received_at LIMIT ?2)"
         )
         .into(),
+        // A state that is not text (another writer's) is counted under its text form.
+        status: format!(
+            "SELECT COALESCE(CAST(state AS TEXT), '(null)'), count(*), \
+             (julianday({NOW}) - julianday(min(created_at))) * 86400.0 FROM {o} GROUP BY state"
+        )
+        .into(),
+        list: format!(
+            "SELECT {COLUMNS} FROM {o} WHERE state = ?1 AND (?2 IS NULL OR name = ?2) \
+             ORDER BY created_at, id LIMIT ?3"
+        )
+        .into(),
+        retry_dead: format!(
+            "UPDATE {o} SET state = 'pending', attempts = 0, updated_at = {NOW}, \
+             next_attempt_at = NULL, claimed_until = NULL, claim_token = NULL \
+             WHERE state = 'dead' AND (?1 IS NULL OR name = ?1)"
+        )
+        .into(),
         // Stored times have millisecond precision, but a julianday is a double of about
         // 2.46 million days, off by up to ~50 µs: the difference is rounded to whole
         // milliseconds, so a row due in 500 ms is never reported due in 500.017 ms.

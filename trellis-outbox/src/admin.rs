@@ -1,0 +1,158 @@
+//! What an operator asks of an SQL outbox (the `trellis-outbox` CLI uses these): counts per
+//! state and the lag, rows by state, one row, bulk replay of dead rows.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use crate::dispatch::PoisonRow;
+use crate::driver::OutboxDatabase;
+use crate::error::{Error, Result};
+use crate::record::{OutboxMessage, OutboxMessageState};
+use crate::sql_repository::SqlOutboxRepository;
+
+/// How an outbox stands: rows per state and how long the oldest undispatched row has waited.
+///
+/// ```
+/// use std::collections::BTreeMap;
+/// use trellis_outbox::OutboxStatus;
+///
+/// let status = OutboxStatus::default();
+/// assert_eq!(status.undispatched(), 0);
+/// assert_eq!(status.count("dead"), 0);
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct OutboxStatus {
+    /// Rows per stored state (`pending`, `claimed`, `failed`, `dispatched`, `dead`, or a
+    /// state another writer stored).
+    pub counts: BTreeMap<String, u64>,
+    /// How long the oldest row not yet dispatched (pending, claimed or failed) has waited
+    /// since it was enqueued, on the database's clock: the outbox's lag.
+    #[serde(with = "seconds")]
+    pub oldest_undispatched: Option<Duration>,
+}
+
+/// `Option<Duration>` as fractional seconds in JSON.
+mod seconds {
+    use std::time::Duration;
+
+    pub(super) fn serialize<S: serde::Serializer>(
+        value: &Option<Duration>,
+        serializer: S,
+    ) -> Result<S::Ok, S::Error> {
+        match value {
+            Some(duration) => serializer.serialize_some(&duration.as_secs_f64()),
+            None => serializer.serialize_none(),
+        }
+    }
+}
+
+/// The states whose rows are still to be dispatched.
+const UNDISPATCHED: [OutboxMessageState; 3] = [
+    OutboxMessageState::Pending,
+    OutboxMessageState::Claimed,
+    OutboxMessageState::Failed,
+];
+
+impl OutboxStatus {
+    /// Rows in `state`.
+    pub fn count(&self, state: &str) -> u64 {
+        self.counts.get(state).copied().unwrap_or(0)
+    }
+
+    /// Rows not yet dispatched: pending, claimed or failed (not dead).
+    pub fn undispatched(&self) -> u64 {
+        UNDISPATCHED.iter().map(|s| self.count(s.as_str())).sum()
+    }
+}
+
+impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
+    /// Rows per state and the lag (one `GROUP BY` over the table).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Repository`] if the query fails.
+    pub async fn status(&self) -> Result<OutboxStatus> {
+        let rows = DB::fetch_status(self.pool(), &self.statements().text.status)
+            .await
+            .map_err(Error::repository("status"))?;
+        let mut status = OutboxStatus::default();
+        for (state, count, age) in rows {
+            let undispatched = UNDISPATCHED.iter().any(|s| s.as_str() == state);
+            let age = age.map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX));
+            if undispatched && let Some(age) = age {
+                status.oldest_undispatched =
+                    Some(status.oldest_undispatched.map_or(age, |o| o.max(age)));
+            }
+            *status.counts.entry(state).or_default() += u64::try_from(count).unwrap_or(0);
+        }
+        Ok(status)
+    }
+
+    /// Up to `limit` rows in `state` (of event name or queue `name`, if given), oldest
+    /// first; a row that cannot be decoded comes back as a [`PoisonRow`] with the reason.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Repository`] if the query fails.
+    pub async fn list(
+        &self,
+        state: OutboxMessageState,
+        name: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<std::result::Result<OutboxMessage, PoisonRow>>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = DB::fetch_rows(
+            self.pool(),
+            &self.statements().text.list,
+            state.as_str(),
+            name,
+            limit,
+        )
+        .await
+        .map_err(Error::repository("list"))?;
+        Ok(rows
+            .iter()
+            .map(|row| {
+                DB::decode(row).map_err(|err| PoisonRow {
+                    id: match &err {
+                        Error::Decode { id, .. } => id.clone(),
+                        _ => String::new(),
+                    },
+                    reason: err.to_string(),
+                })
+            })
+            .collect())
+    }
+
+    /// The row `id`, if there is one.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Repository`] if the query fails, [`Error::Decode`] if the row cannot be
+    /// decoded (the error says which column and why).
+    pub async fn get(&self, id: &str) -> Result<Option<OutboxMessage>> {
+        let mut conn = self
+            .pool()
+            .acquire()
+            .await
+            .map_err(Error::repository("get"))?;
+        let row = DB::fetch_by_id(&mut conn, &self.statements().text.select_by_id, id)
+            .await
+            .map_err(Error::repository("get"))?;
+        row.as_ref().map(DB::decode).transpose()
+    }
+
+    /// Moves every `dead` row — of event name or queue `name`, if given — back to `pending`,
+    /// due now with its attempts reset (bulk replay); returns how many. Dead rows hold no
+    /// lease, so no dispatcher is publishing them.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Repository`] if the statement fails.
+    pub async fn retry_dead(&self, name: Option<&str>) -> Result<u64> {
+        DB::execute_one(self.pool(), &self.statements().text.retry_dead, name)
+            .await
+            .map_err(Error::repository("retry dead rows"))
+    }
+}

@@ -1,0 +1,264 @@
+//! The commands that work on a database: connect, then migrate, status, list, inspect,
+//! retry, purge (and the relay, in `relay.rs`).
+
+use std::io::Write;
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+use sqlx::{Pool, Postgres, Sqlite};
+
+use super::{CliError, Command, Global};
+use crate::driver::OutboxDatabase;
+use crate::migrate::migrate_with;
+use crate::sql_repository::SqlOutboxRepository;
+use crate::tables::OutboxTables;
+
+/// How long connecting may take before the tool gives up with a message.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A pool on the database `--database-url` names.
+pub(super) enum Database {
+    Postgres(Pool<Postgres>),
+    Sqlite(Pool<Sqlite>),
+}
+
+impl Database {
+    async fn connect(url: Option<&str>, create: bool) -> Result<Self, CliError> {
+        let url = url.ok_or(
+            "no database: pass --database-url (or set DATABASE_URL) to postgres://… or sqlite:<path>",
+        )?;
+        let unreachable =
+            |e: sqlx::Error| format!("cannot connect to the database at {}: {e}", redact(url));
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let options =
+                PgConnectOptions::from_str(url).map_err(|e| format!("bad --database-url: {e}"))?;
+            let pool = PgPoolOptions::new()
+                .max_connections(4)
+                .acquire_timeout(CONNECT_TIMEOUT)
+                .connect_with(options)
+                .await
+                .map_err(unreachable)?;
+            Ok(Self::Postgres(pool))
+        } else if url.starts_with("sqlite:") {
+            let options = SqliteConnectOptions::from_str(url)
+                .map_err(|e| format!("bad --database-url: {e}"))?
+                .create_if_missing(create)
+                .busy_timeout(Duration::from_secs(10));
+            let pool = SqlitePoolOptions::new()
+                .max_connections(4)
+                .acquire_timeout(CONNECT_TIMEOUT)
+                .connect_with(options)
+                .await
+                .map_err(unreachable)?;
+            Ok(Self::Sqlite(pool))
+        } else {
+            Err(format!(
+                "unsupported --database-url {}: use postgres://… or sqlite:<path>",
+                redact(url)
+            )
+            .into())
+        }
+    }
+}
+
+/// `url` without its password, for messages.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let credentials = &url[scheme + 3..at];
+            match credentials.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+pub(super) async fn execute(
+    global: &Global,
+    tables: &OutboxTables,
+    command: Command,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    let create = matches!(command, Command::Migrate);
+    match Database::connect(global.database_url.as_deref(), create).await? {
+        Database::Postgres(pool) => {
+            if let Command::Relay { progress_every } = command {
+                let listen = pool.clone();
+                return super::relay::relay(pool, global, tables, progress_every, out, |builder| {
+                    builder.listen_postgres(&listen, tables)
+                })
+                .await;
+            }
+            on(pool, tables, command, out).await
+        }
+        Database::Sqlite(pool) => {
+            if let Command::Relay { progress_every } = command {
+                return super::relay::relay(pool, global, tables, progress_every, out, |b| b).await;
+            }
+            on(pool, tables, command, out).await
+        }
+    }
+}
+
+async fn on<DB: OutboxDatabase>(
+    pool: Pool<DB>,
+    tables: &OutboxTables,
+    command: Command,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    let repo = SqlOutboxRepository::with_tables(pool.clone(), tables);
+    match command {
+        Command::Migrate => {
+            let report = migrate_with(&pool, tables).await?;
+            if report.upgraded_from_0_10 {
+                writeln!(out, "upgraded a Trellis 0.10 outbox table in place")?;
+            }
+            for id in &report.applied {
+                writeln!(out, "applied {id}")?;
+            }
+            writeln!(
+                out,
+                "{} applied, {} already applied",
+                report.applied.len(),
+                report.already_applied.len()
+            )?;
+        }
+        Command::Status { json } => {
+            let status = repo.status().await?;
+            if json {
+                serde_json::to_writer(&mut *out, &status)?;
+                writeln!(out)?;
+            } else {
+                for (state, count) in &status.counts {
+                    writeln!(out, "{state:<11}{count}")?;
+                }
+                writeln!(out, "undispatched {}", status.undispatched())?;
+                match status.oldest_undispatched {
+                    Some(age) => writeln!(out, "lag        {}", seconds(age))?,
+                    None => writeln!(out, "lag        none")?,
+                }
+            }
+        }
+        Command::List {
+            state,
+            limit,
+            name,
+            json,
+        } => {
+            let rows = repo.list(state.state(), name.as_deref(), limit).await?;
+            if json {
+                let rows: Vec<serde_json::Value> = rows
+                    .into_iter()
+                    .map(|row| match row {
+                        Ok(message) => serde_json::to_value(message).unwrap_or_default(),
+                        Err(poison) => {
+                            serde_json::json!({"id": poison.id, "undecodable": poison.reason})
+                        }
+                    })
+                    .collect();
+                serde_json::to_writer_pretty(&mut *out, &rows)?;
+                writeln!(out)?;
+            } else {
+                for row in rows {
+                    match row {
+                        Ok(m) => writeln!(
+                            out,
+                            "{}  {}  {}  attempts={}  created={}{}",
+                            m.id,
+                            m.name,
+                            m.subject,
+                            m.attempts,
+                            crate::time::format_timestamp(m.created_at),
+                            m.last_error
+                                .as_deref()
+                                .map(|e| format!("  error={e}"))
+                                .unwrap_or_default()
+                        )?,
+                        Err(poison) => {
+                            writeln!(out, "{}  undecodable: {}", poison.id, poison.reason)?
+                        }
+                    }
+                }
+            }
+        }
+        Command::Inspect { id } => {
+            let message = repo
+                .get(&id)
+                .await?
+                .ok_or_else(|| format!("no outbox row with id {id:?}"))?;
+            serde_json::to_writer_pretty(&mut *out, &message)?;
+            writeln!(out)?;
+        }
+        Command::Retry {
+            ids,
+            all_dead,
+            name,
+        } => {
+            if all_dead {
+                let retried = repo.retry_dead(name.as_deref()).await?;
+                writeln!(out, "retried {retried} dead rows")?;
+            } else {
+                let mut refused = Vec::new();
+                for id in &ids {
+                    let outcome = crate::dispatch::OutboxRepository::retry(&repo, id).await?;
+                    if outcome.is_retried() {
+                        writeln!(out, "{id}: retried")?;
+                    } else {
+                        refused.push(format!("{id}: {outcome}"));
+                    }
+                }
+                if !refused.is_empty() {
+                    return Err(format!("not retried: {}", refused.join("; ")).into());
+                }
+            }
+        }
+        Command::Purge {
+            dispatched_older_than,
+            inbox_older_than,
+            batch,
+        } => {
+            if let Some(age) = dispatched_older_than {
+                let deleted = repo.purge_dispatched(age, batch).await?;
+                writeln!(
+                    out,
+                    "deleted {deleted} dispatched rows older than {}",
+                    seconds(age)
+                )?;
+            }
+            if let Some(age) = inbox_older_than {
+                let deleted = repo.purge_inbox(age, batch).await?;
+                writeln!(
+                    out,
+                    "deleted {deleted} inbox rows older than {}",
+                    seconds(age)
+                )?;
+            }
+        }
+        // Both are handled before a database is opened.
+        Command::Sql { .. } | Command::Relay { .. } => {
+            return Err("this command does not run on a database".into());
+        }
+    }
+    Ok(())
+}
+
+/// A duration for people: `3s`, `1h 2m`.
+pub(super) fn seconds(duration: Duration) -> String {
+    humantime::format_duration(Duration::from_secs(duration.as_secs())).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact;
+
+    #[test]
+    fn passwords_are_not_printed() {
+        assert_eq!(redact("postgres://u:secret@h/db"), "postgres://u:***@h/db");
+        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
+        assert_eq!(redact("sqlite:app.db"), "sqlite:app.db");
+    }
+}
