@@ -92,3 +92,34 @@ fn a_drain_counts_rows_by_name_and_times_each_stage() {
     assert_eq!(histograms.get(m::PUBLISH_SECONDS), Some(&1));
     assert_eq!(histograms.get(m::MARK_SECONDS), Some(&1));
 }
+
+#[test]
+fn inbox_duplicates_are_counted_by_inbox_table() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            use trellis_outbox::OutboxTransactionExt as _;
+            let db = trellis_outbox_tests::TestSqlite::new().await;
+            trellis_outbox::migrate(&db.pool).await.unwrap();
+            for _ in 0..3 {
+                let mut tx = db.pool.begin().await.unwrap();
+                tx.record_inbox("evt-1").await.unwrap();
+                tx.commit().await.unwrap();
+            }
+        });
+    });
+    let (counters, _) = read(&snapshotter);
+    assert_eq!(
+        counters.get(&(
+            m::INBOX_DUPLICATES.to_owned(),
+            vec![("inbox".to_owned(), "trellis_inbox".to_owned())]
+        )),
+        Some(&2),
+        "{counters:?}"
+    );
+}

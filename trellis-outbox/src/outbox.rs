@@ -4,6 +4,7 @@ use std::future::Future;
 use std::sync::{Arc, LazyLock};
 
 use sqlx::Transaction;
+use tracing::Instrument as _;
 
 use crate::driver::OutboxDatabase;
 use crate::error::{Error, Result};
@@ -140,7 +141,10 @@ impl Outbox {
     {
         let record = record.to_outbox_record()?;
         record.validate()?;
-        DB::insert_one(&mut **tx, self.sql(DB::DIALECT), record).await
+        let span = tracing::debug_span!("outbox_enqueue", id = %record.id, name = %record.name);
+        DB::insert_one(&mut **tx, self.sql(DB::DIALECT), record)
+            .instrument(span)
+            .await
     }
 
     /// Writes a job request (made with `#[outbox_job]`) inside `tx` and returns what the
@@ -190,7 +194,10 @@ impl Outbox {
         if records.is_empty() {
             return Ok(Vec::new());
         }
-        DB::insert_many(&mut **tx, self.sql(DB::DIALECT), records).await
+        let span = tracing::debug_span!("outbox_enqueue", rows = records.len());
+        DB::insert_many(&mut **tx, self.sql(DB::DIALECT), records)
+            .instrument(span)
+            .await
     }
 
     /// Records `message_id` in the inbox inside `tx`: [`InboxReceipt::Accepted`] the first
@@ -221,6 +228,8 @@ impl Outbox {
         Ok(if affected == 1 {
             InboxReceipt::Accepted
         } else {
+            metrics::counter!(crate::metrics::INBOX_DUPLICATES, "inbox" => self.tables().inbox().to_owned())
+                .increment(1);
             InboxReceipt::Duplicate
         })
     }
