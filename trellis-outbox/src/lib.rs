@@ -50,6 +50,7 @@
 //! | `nats`     | yes     | [`JetStreamPublisher`], job dispatch ([`JobDispatcher`]), NATS header helpers |
 //! | `macros`   | yes     | `#[derive(OutboxEvent)]` and `#[outbox_job]` |
 //! | `cli`      | no      | the `trellis-outbox` command-line tool |
+//! | `opentelemetry` | no | trace context from OpenTelemetry at enqueue; publish and consume spans under the stored context |
 //! | `trellis-participant` | no | `TrellisParticipantPublisher`: event rows signed at dispatch by a Trellis participant (`trellis-rs`) |
 
 #![forbid(unsafe_code)]
@@ -79,6 +80,8 @@ pub mod metrics;
 mod migrate;
 #[cfg(feature = "nats")]
 mod nats;
+#[cfg(feature = "opentelemetry")]
+mod otel;
 mod outbox;
 #[cfg(feature = "trellis-participant")]
 mod participant;
@@ -130,6 +133,8 @@ pub use crate::nats::{
     JobAdmission, JobDispatcher, JobRef, JobRequest, NoJobDispatcher, StreamCheck,
     StreamCheckError,
 };
+#[cfg(feature = "opentelemetry")]
+pub use crate::otel::{opentelemetry_trace_context, use_opentelemetry_trace_context};
 pub use crate::outbox::{Outbox, OutboxTransactionExt};
 #[cfg(feature = "trellis-participant")]
 pub use crate::participant::{

@@ -17,6 +17,7 @@ use sqlx::Pool;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 
 use super::error::{ConsumeFailure, ConsumerError, FailureAction, FailureKind};
 use super::{ConsumerReport, Delivered, Handler};
@@ -272,7 +273,11 @@ where
         delivery,
         stream_sequence,
     };
-    match apply(shared, &message, &id, delivered).await {
+    let span = consume_span(&shared.consumer_name, &delivered);
+    match apply(shared, &message, &id, delivered)
+        .instrument(span)
+        .await
+    {
         Ok(applied) => {
             match applied {
                 Applied::Committed => bump(&shared.stats.applied),
@@ -522,6 +527,29 @@ fn one_line(text: &str) -> String {
         out.truncate(end);
     }
     out
+}
+
+/// The span of applying one message: with the `opentelemetry` feature a child of the trace
+/// context the message carries (the enqueuing handler's span), otherwise none.
+fn consume_span<E>(consumer: &str, delivered: &Delivered<E>) -> tracing::Span {
+    #[cfg(feature = "opentelemetry")]
+    {
+        let span = tracing::info_span!(
+            "outbox_consume",
+            otel.kind = "consumer",
+            consumer = %consumer,
+            id = %delivered.id,
+            subject = %delivered.subject,
+            delivery = delivered.delivery,
+        );
+        crate::otel::adopt_stored(&span, &delivered.headers);
+        span
+    }
+    #[cfg(not(feature = "opentelemetry"))]
+    {
+        let _ = (consumer, delivered);
+        tracing::Span::none()
+    }
 }
 
 #[cfg(test)]

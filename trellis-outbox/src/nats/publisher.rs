@@ -7,12 +7,14 @@ use std::time::Duration;
 use async_nats::jetstream::context::PublishAckFuture;
 use async_nats::jetstream::message::PublishMessage as Publish;
 use tokio::time::Instant;
+use tracing::Instrument as _;
 
 use super::created::{CreatedEventSettings, created_event};
 use super::error::classify;
 use super::jobs::{JobDispatcher, NoJobDispatcher};
 use super::streams::quoted;
 use super::{JetStreamError, JetStreamErrorKind};
+
 use crate::dispatch::{PublishError, Publisher, RetryPolicy};
 use crate::record::{OutboxMessage, OutboxRecordKind};
 use crate::subject::subject_problem;
@@ -159,7 +161,7 @@ impl<D: JobDispatcher> JetStreamPublisher<D> {
             std::iter::repeat_with(|| None)
                 .take(messages.len())
                 .collect();
-        let mut pending: VecDeque<(usize, Instant, PublishAckFuture)> =
+        let mut pending: VecDeque<(usize, Instant, PublishAckFuture, tracing::Span)> =
             VecDeque::with_capacity(self.window.min(messages.len()));
 
         for (index, message) in messages.iter().enumerate() {
@@ -171,22 +173,32 @@ impl<D: JobDispatcher> JetStreamPublisher<D> {
                 }
             };
             while pending.len() >= self.window {
-                if let Some((done, sent, ack)) = pending.pop_front() {
-                    results[done] = Some(self.await_ack(&messages[done], sent, ack).await);
+                if let Some((done, sent, ack, span)) = pending.pop_front() {
+                    results[done] = Some(
+                        self.await_ack(&messages[done], sent, ack)
+                            .instrument(span)
+                            .await,
+                    );
                 }
             }
             let sent = Instant::now();
+            let span = publish_span(message);
             match self
                 .context
                 .send_publish(outgoing.subject, outgoing.publish)
+                .instrument(span.clone())
                 .await
             {
-                Ok(ack) => pending.push_back((index, sent, ack)),
+                Ok(ack) => pending.push_back((index, sent, ack, span)),
                 Err(err) => results[index] = Some(Err(classify(message, err))),
             }
         }
-        while let Some((done, sent, ack)) = pending.pop_front() {
-            results[done] = Some(self.await_ack(&messages[done], sent, ack).await);
+        while let Some((done, sent, ack, span)) = pending.pop_front() {
+            results[done] = Some(
+                self.await_ack(&messages[done], sent, ack)
+                    .instrument(span)
+                    .await,
+            );
         }
 
         results
@@ -313,5 +325,27 @@ impl<D: JobDispatcher> Publisher for JetStreamPublisher<D> {
 
     async fn on_start(&self, retry_policy: &RetryPolicy) {
         self.check_streams_at_start(retry_policy).await;
+    }
+}
+
+/// The span of one row's publish, from send to ack: with the `opentelemetry` feature a child
+/// of the trace context stored in the row (the enqueuing handler's span), otherwise none.
+fn publish_span(message: &OutboxMessage) -> tracing::Span {
+    #[cfg(feature = "opentelemetry")]
+    {
+        let span = tracing::info_span!(
+            "outbox_publish",
+            otel.kind = "producer",
+            id = %message.id,
+            name = %message.name,
+            subject = %message.subject,
+        );
+        crate::otel::adopt_stored(&span, &message.headers);
+        span
+    }
+    #[cfg(not(feature = "opentelemetry"))]
+    {
+        let _ = message;
+        tracing::Span::none()
     }
 }
