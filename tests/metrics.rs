@@ -123,3 +123,102 @@ fn inbox_duplicates_are_counted_by_inbox_table() {
         "{counters:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_outcomes_are_counted_by_consumer() {
+    use async_nats::jetstream::consumer::AckPolicy;
+    use async_nats::jetstream::consumer::pull::Config as PullConfig;
+    use sqlx::{Sqlite, Transaction};
+    use trellis_outbox::{Consumer, DEAD_LETTER_STREAM, Delivered, handler_fn};
+
+    #[derive(serde::Deserialize)]
+    struct Placed {
+        #[allow(dead_code)]
+        n: u64,
+    }
+
+    // The consumer runs on tokio's workers: a global recorder (this is the only test of the
+    // binary that installs one; the others use local recorders, which take precedence).
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::set_global_recorder(recorder).unwrap();
+
+    let db = trellis_outbox_tests::TestSqlite::new().await;
+    trellis_outbox::migrate(&db.pool).await.unwrap();
+    let js = trellis_outbox_tests::nats::jetstream().await;
+    let stream = trellis_outbox_tests::nats::TestStream::events(&js).await;
+    let name = format!("m{}", ulid::Ulid::generate().to_string().to_lowercase());
+    js.get_stream(&stream.name)
+        .await
+        .unwrap()
+        .create_consumer(PullConfig {
+            durable_name: Some(name.clone()),
+            ack_policy: AckPolicy::Explicit,
+            ..PullConfig::default()
+        })
+        .await
+        .unwrap();
+    for (id, payload) in [("ok-1", &b"{\"n\":1}"[..]), ("bad-1", &b"nope"[..])] {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", id);
+        js.publish_with_headers(stream.subject("placed"), headers, payload.to_vec().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let consumer = Consumer::builder(
+        js.clone(),
+        db.pool.clone(),
+        handler_fn(
+            |_: &mut Transaction<'static, Sqlite>, _: Delivered<Placed>| Box::pin(async { Ok(()) }),
+        ),
+    )
+    .bind(&stream.name, &name)
+    .start()
+    .await
+    .unwrap();
+    for _ in 0..100 {
+        let report = consumer.report();
+        if report.applied + report.dead_lettered == 2 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    consumer.shutdown().await.unwrap();
+    if let Ok(dlq) = js.get_stream(DEAD_LETTER_STREAM).await {
+        let _ = dlq
+            .purge()
+            .filter(format!("_trellis.consumer.dlq.{name}"))
+            .await;
+    }
+    stream.delete().await;
+
+    let mut consumed = HashMap::new();
+    let mut handled = 0;
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        let key = key.key();
+        let label = |l: &str| {
+            key.labels()
+                .find(|x| x.key() == l)
+                .map(|x| x.value().to_owned())
+        };
+        if label("consumer").as_deref() != Some(name.as_str()) {
+            continue;
+        }
+        match (key.name(), value) {
+            (n, DebugValue::Counter(v)) if n == m::CONSUMED => {
+                consumed.insert(label("outcome").unwrap(), v);
+            }
+            (n, DebugValue::Histogram(samples)) if n == m::HANDLE_SECONDS => {
+                handled += samples.len()
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(
+        consumed,
+        HashMap::from([("applied".to_owned(), 1), ("dead_lettered".to_owned(), 1)])
+    );
+    assert_eq!(handled, 1, "only the decodable message reached the handler");
+}

@@ -76,6 +76,36 @@ impl Stats {
     }
 }
 
+/// How a message was settled, counted in [`Stats`] and in the
+/// [`CONSUMED`](crate::metrics::CONSUMED) metric.
+#[derive(Debug, Clone, Copy)]
+enum Settled {
+    Applied,
+    Duplicate,
+    Redelivered,
+    DeadLettered,
+    Terminated,
+}
+
+impl Stats {
+    fn settle(&self, consumer: &str, how: Settled) {
+        let (counter, outcome) = match how {
+            Settled::Applied => (&self.applied, "applied"),
+            Settled::Duplicate => (&self.duplicates, "duplicate"),
+            Settled::Redelivered => (&self.redelivered, "redelivered"),
+            Settled::DeadLettered => (&self.dead_lettered, "dead_lettered"),
+            Settled::Terminated => (&self.terminated, "terminated"),
+        };
+        bump(counter);
+        metrics::counter!(
+            crate::metrics::CONSUMED,
+            "consumer" => consumer.to_owned(),
+            "outcome" => outcome
+        )
+        .increment(1);
+    }
+}
+
 fn bump(counter: &AtomicU64) {
     counter.fetch_add(1, Ordering::Relaxed);
 }
@@ -274,14 +304,19 @@ where
         stream_sequence,
     };
     let span = consume_span(&shared.consumer_name, &delivered);
-    match apply(shared, &message, &id, delivered)
+    let started = std::time::Instant::now();
+    let applied = apply(shared, &message, &id, delivered)
         .instrument(span)
-        .await
-    {
+        .await;
+    metrics::histogram!(crate::metrics::HANDLE_SECONDS, "consumer" => shared.consumer_name.clone())
+        .record(started.elapsed().as_secs_f64());
+    match applied {
         Ok(applied) => {
             match applied {
-                Applied::Committed => bump(&shared.stats.applied),
-                Applied::Duplicate => bump(&shared.stats.duplicates),
+                Applied::Committed => shared.stats.settle(&shared.consumer_name, Settled::Applied),
+                Applied::Duplicate => shared
+                    .stats
+                    .settle(&shared.consumer_name, Settled::Duplicate),
             }
             if let Err(err) = message.ack().await {
                 let failure =
@@ -370,7 +405,9 @@ async fn redeliver<DB: OutboxDatabase, E, H>(
     failure: &Failure,
     after: Duration,
 ) {
-    bump(&shared.stats.redelivered);
+    shared
+        .stats
+        .settle(&shared.consumer_name, Settled::Redelivered);
     report(shared, at, failure, FailureAction::Redeliver { after });
     if let Err(err) = at.message.ack_with(AckKind::Nak(Some(after))).await {
         // Without the nak the server redelivers after the ack wait instead.
@@ -403,7 +440,9 @@ async fn give_up<DB: OutboxDatabase, E, H>(
                     return redeliver(shared, at, &copy_failed, after).await;
                 }
                 report(shared, at, &copy_failed, FailureAction::Terminated);
-                bump(&shared.stats.terminated);
+                shared
+                    .stats
+                    .settle(&shared.consumer_name, Settled::Terminated);
                 let _ = at.message.ack_with(AckKind::Term).await;
                 return;
             }
@@ -411,8 +450,12 @@ async fn give_up<DB: OutboxDatabase, E, H>(
     };
     report(shared, at, &failure, action);
     match action {
-        FailureAction::DeadLettered => bump(&shared.stats.dead_lettered),
-        _ => bump(&shared.stats.terminated),
+        FailureAction::DeadLettered => shared
+            .stats
+            .settle(&shared.consumer_name, Settled::DeadLettered),
+        _ => shared
+            .stats
+            .settle(&shared.consumer_name, Settled::Terminated),
     }
     if let Err(err) = at.message.ack_with(AckKind::Term).await {
         tracing::warn!(consumer = %shared.consumer_name, error = %err, "terminating a message failed");
