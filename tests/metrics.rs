@@ -13,6 +13,22 @@ use trellis_outbox::{
 };
 use trellis_outbox_tests::publisher::RecordingPublisher;
 
+/// Held by the tests that read the global recorder: a snapshot resets what it read, so two
+/// of them reading at once would take each other's values.
+static GLOBAL_READERS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The process-wide recorder, for code that runs on tokio's workers (the dispatcher and
+/// consumer tasks); tests of synchronous paths use local recorders, which take precedence.
+fn global() -> &'static Snapshotter {
+    static SNAPSHOTTER: std::sync::OnceLock<Snapshotter> = std::sync::OnceLock::new();
+    SNAPSHOTTER.get_or_init(|| {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::set_global_recorder(recorder).unwrap();
+        snapshotter
+    })
+}
+
 /// Counters by `(name, labels)`.
 type Counters = HashMap<(String, Vec<(String, String)>), u64>;
 
@@ -137,11 +153,8 @@ async fn consumer_outcomes_are_counted_by_consumer() {
         n: u64,
     }
 
-    // The consumer runs on tokio's workers: a global recorder (this is the only test of the
-    // binary that installs one; the others use local recorders, which take precedence).
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    metrics::set_global_recorder(recorder).unwrap();
+    let _serial = GLOBAL_READERS.lock().await;
+    let snapshotter = global();
 
     let db = trellis_outbox_tests::TestSqlite::new().await;
     trellis_outbox::migrate(&db.pool).await.unwrap();
@@ -221,4 +234,83 @@ async fn consumer_outcomes_are_counted_by_consumer() {
         HashMap::from([("applied".to_owned(), 1), ("dead_lettered".to_owned(), 1)])
     );
     assert_eq!(handled, 1, "only the decodable message reached the handler");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dispatcher_reports_the_backlog_as_gauges() {
+    use std::sync::Arc;
+    use std::time::Duration;
+    use trellis_outbox::{OutboxDispatcher, RetryPolicy};
+
+    let _serial = GLOBAL_READERS.lock().await;
+    let snapshotter = global();
+    let repo = Arc::new(MemoryOutboxRepository::new());
+    let publisher = Arc::new(RecordingPublisher::new());
+    for n in 0..3 {
+        let row = repo.enqueue(&event(&format!("Orders.N{n}"))).unwrap();
+        publisher.fail_always(&row.id, "broker down");
+    }
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let dispatcher = OutboxDispatcher::builder(repo.clone(), publisher.clone())
+        .retry_policy(RetryPolicy::fixed(Duration::from_secs(60)))
+        .backlog_metrics(Some(Duration::from_millis(100)))
+        .start()
+        .unwrap();
+    // One snapshot per look: taking a snapshot resets what it read.
+    let gauges = || {
+        let snapshot = snapshotter.snapshot().into_vec();
+        let gauge = |name: &str| {
+            snapshot.iter().find_map(|(key, _, _, value)| match value {
+                DebugValue::Gauge(v) if key.key().name() == name => Some(v.into_inner()),
+                _ => None,
+            })
+        };
+        (gauge(m::UNDISPATCHED), gauge(m::LAG_SECONDS))
+    };
+    let mut seen = None;
+    for _ in 0..100 {
+        if let (Some(depth), Some(lag)) = gauges()
+            && depth == 3.0
+        {
+            seen = Some(lag);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    dispatcher.shutdown().await;
+    let lag = seen.expect("the gauges reported 3 undispatched rows");
+    assert!(lag >= 0.03, "the oldest row waited at least 30 ms: {lag}");
+}
+
+#[tokio::test]
+async fn sql_repositories_count_the_backlog() {
+    use trellis_outbox::{
+        OutboxRepository, OutboxTransactionExt, PgOutboxRepository, SqliteOutboxRepository,
+    };
+    let sqlite = trellis_outbox_tests::TestSqlite::new().await;
+    trellis_outbox::migrate(&sqlite.pool).await.unwrap();
+    let pg = trellis_outbox_tests::TestPg::new().await;
+    trellis_outbox::migrate(&pg.pool).await.unwrap();
+    let lite = SqliteOutboxRepository::new(sqlite.pool.clone());
+    let post = PgOutboxRepository::new(pg.pool.clone());
+    assert_eq!(lite.backlog().await.unwrap().unwrap().undispatched, 0);
+    assert_eq!(post.backlog().await.unwrap().unwrap().oldest, None);
+    let mut tx = sqlite.pool.begin().await.unwrap();
+    tx.enqueue_all([event("A"), event("B")]).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = pg.pool.begin().await.unwrap();
+    tx.enqueue_all([event("A"), event("B")]).await.unwrap();
+    tx.commit().await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+    for backlog in [
+        lite.backlog().await.unwrap().unwrap(),
+        post.backlog().await.unwrap().unwrap(),
+    ] {
+        assert_eq!(backlog.undispatched, 2);
+        assert!(
+            backlog.oldest.unwrap() >= std::time::Duration::from_millis(20),
+            "{backlog:?}"
+        );
+    }
+    pg.close().await;
 }

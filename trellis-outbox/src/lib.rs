@@ -111,10 +111,11 @@ pub use crate::descriptor::{
     TRELLIS_EVENT_DESCRIPTOR, event_descriptor_identity, trellis_event_subject,
 };
 pub use crate::dispatch::{
-    BoxError, Claim, DispatchError, DispatchOptions, DispatchReport, Dispatched, DispatcherBuilder,
-    DispatcherHandle, Disposition, ErrorCallback, Failure, FailureOutcome, MAX_RETRY_DELAY,
-    MIN_RETRY_DELAY, MemoryOutboxRepository, OutboxDispatcher, OutboxRepository, PoisonRow,
-    PublishError, Publisher, RetryOutcome, RetryPolicy, dispatch_outbox,
+    Backlog, BoxError, Claim, DEFAULT_BACKLOG_EVERY, DispatchError, DispatchOptions,
+    DispatchReport, Dispatched, DispatcherBuilder, DispatcherHandle, Disposition, ErrorCallback,
+    Failure, FailureOutcome, MAX_RETRY_DELAY, MIN_RETRY_DELAY, MemoryOutboxRepository,
+    OutboxDispatcher, OutboxRepository, PoisonRow, PublishError, Publisher, RetryOutcome,
+    RetryPolicy, dispatch_outbox,
 };
 pub use crate::driver::OutboxDatabase;
 pub use crate::error::{Error, Result, TableKind};

@@ -12,6 +12,8 @@
 //! | [`PUBLISH_SECONDS`] | histogram | — | publishing one claimed batch |
 //! | [`MARK_SECONDS`] | histogram | — | marking one published batch |
 //! | [`CLAIMED_ROWS`] | histogram | — | rows per claim |
+//! | [`UNDISPATCHED`] | gauge | — | rows waiting to be dispatched (a dispatcher reports it) |
+//! | [`LAG_SECONDS`] | gauge | — | how long the oldest of them has waited (0 when none) |
 //! | [`INBOX_DUPLICATES`] | counter | `inbox` | `record_inbox` calls that found the id already there |
 //! | [`CONSUMED`] | counter | `consumer`, `outcome` | messages a [`Consumer`](crate::Consumer) settled: `applied`, `duplicate`, `redelivered`, `dead_lettered`, `terminated` |
 //! | [`HANDLE_SECONDS`] | histogram | `consumer` | one message: begin to commit |
@@ -34,6 +36,10 @@ pub const PUBLISH_SECONDS: &str = "trellis_outbox_publish_seconds";
 pub const MARK_SECONDS: &str = "trellis_outbox_mark_seconds";
 /// Rows per claim.
 pub const CLAIMED_ROWS: &str = "trellis_outbox_claimed_rows";
+/// Rows waiting to be dispatched, as a dispatcher last saw them.
+pub const UNDISPATCHED: &str = "trellis_outbox_undispatched";
+/// Seconds the oldest undispatched row has waited since it was enqueued (0 when none).
+pub const LAG_SECONDS: &str = "trellis_outbox_lag_seconds";
 /// Inbox records that were duplicates, by `inbox` (the table).
 pub const INBOX_DUPLICATES: &str = "trellis_outbox_inbox_duplicates_total";
 /// Messages a consumer settled, by `consumer` and `outcome`.

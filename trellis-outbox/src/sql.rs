@@ -92,6 +92,8 @@ texts! {
     purge_inbox,
     /// Per state: the state, its row count, the age in seconds of its oldest row.
     status,
+    /// Undispatched rows and the age in seconds of the oldest (NULL when none).
+    backlog,
     /// Rows in a state (state, name or NULL for any, limit), oldest first, [`COLUMNS`].
     list,
     /// Moves every `dead` row (of a name, or NULL for all) back to `pending`, due now.

@@ -9,7 +9,7 @@ use chrono::{DateTime, Utc};
 use sqlx::Pool;
 
 use crate::dispatch::{
-    Claim, Dispatched, Failure, OutboxRepository, PoisonRow, RetryOutcome, due_in,
+    Backlog, Claim, Dispatched, Failure, OutboxRepository, PoisonRow, RetryOutcome, due_in,
 };
 use crate::driver::OutboxDatabase;
 use crate::driver::sealed::{ClaimDue, Fenced, On};
@@ -281,6 +281,16 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
             .await
             .map_err(Error::repository("next due"))?;
         Ok(seconds.map(due_in))
+    }
+
+    async fn backlog(&self) -> Result<Option<Backlog>> {
+        let (count, age) = DB::fetch_count_age(&self.pool, &self.sql.text.backlog)
+            .await
+            .map_err(Error::repository("backlog"))?;
+        Ok(Some(Backlog::new(
+            u64::try_from(count).unwrap_or(0),
+            age.map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX)),
+        )))
     }
 
     fn overlaps_batches(&self) -> bool {

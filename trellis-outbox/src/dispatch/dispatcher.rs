@@ -22,6 +22,9 @@ use crate::dispatch::repository::OutboxRepository;
 use crate::dispatch::retry::RetryPolicy;
 use crate::dispatch::worker::{Retention, Worker};
 
+/// How often a dispatcher reports the backlog gauges, by default.
+pub const DEFAULT_BACKLOG_EVERY: Duration = Duration::from_secs(15);
+
 /// Builds an [`OutboxDispatcher`]; see [`OutboxDispatcher::builder`].
 pub struct DispatcherBuilder<R, P> {
     repository: R,
@@ -32,6 +35,7 @@ pub struct DispatcherBuilder<R, P> {
     idle_interval: Duration,
     on_error: Option<ErrorCallback>,
     retain_dispatched: Option<Duration>,
+    backlog_every: Option<Duration>,
     #[cfg(feature = "postgres")]
     listen: Option<(sqlx::PgPool, crate::OutboxTables)>,
 }
@@ -90,6 +94,16 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
     /// ```
     pub fn retain_dispatched(mut self, older_than: Duration) -> Self {
         self.retain_dispatched = Some(older_than);
+        self
+    }
+
+    /// How often the dispatcher reads the backlog (undispatched rows, the oldest one's age)
+    /// into the [`UNDISPATCHED`](crate::metrics::UNDISPATCHED) and
+    /// [`LAG_SECONDS`](crate::metrics::LAG_SECONDS) gauges, between drains: default every
+    /// [`DEFAULT_BACKLOG_EVERY`]; `None` turns it off. On SQL it is one indexed count of
+    /// the undispatched rows.
+    pub fn backlog_metrics(mut self, every: Option<Duration>) -> Self {
+        self.backlog_every = every.map(|e| e.max(Duration::from_millis(100)));
         self
     }
 
@@ -164,6 +178,7 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
             cancel: cancel.clone(),
             wake: wake_rx,
             retention: self.retain_dispatched.map(Retention::new),
+            backlog: self.backlog_every.map(|every| (every, Instant::now())),
         };
         let task = runtime.spawn(
             worker
@@ -313,6 +328,7 @@ impl OutboxDispatcher {
             idle_interval: Duration::from_secs(5),
             on_error: None,
             retain_dispatched: None,
+            backlog_every: Some(DEFAULT_BACKLOG_EVERY),
             #[cfg(feature = "postgres")]
             listen: None,
         }

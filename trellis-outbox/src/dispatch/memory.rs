@@ -7,7 +7,7 @@ use std::time::Duration;
 use chrono::{DateTime, TimeDelta, Utc};
 
 use crate::dispatch::repository::{
-    Claim, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow, RetryOutcome,
+    Backlog, Claim, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow, RetryOutcome,
 };
 use crate::error::Result;
 use crate::record::{OutboxMessage, OutboxMessageState, ToOutboxRecord, new_id};
@@ -393,6 +393,20 @@ impl OutboxRepository for MemoryOutboxRepository {
 
     /// `true`: claims and marks take a lock for microseconds, so the dispatcher overlaps
     /// batches here as it does on Postgres (tests exercise the same pipeline).
+    async fn backlog(&self) -> Result<Option<Backlog>> {
+        let now = self.now();
+        let inner = self.lock();
+        let open = inner.rows.iter().filter(|r| r.is_open());
+        let (count, oldest) = open.fold((0u64, None::<DateTime<Utc>>), |(n, oldest), row| {
+            let at = row.message.created_at;
+            (n + 1, Some(oldest.map_or(at, |o| o.min(at))))
+        });
+        Ok(Some(Backlog::new(
+            count,
+            oldest.map(|at| (now - at).to_std().unwrap_or(Duration::ZERO)),
+        )))
+    }
+
     fn overlaps_batches(&self) -> bool {
         true
     }

@@ -18,7 +18,9 @@ mod repository;
 mod retry;
 mod worker;
 
-pub use dispatcher::{DispatcherBuilder, DispatcherHandle, OutboxDispatcher};
+pub use dispatcher::{
+    DEFAULT_BACKLOG_EVERY, DispatcherBuilder, DispatcherHandle, OutboxDispatcher,
+};
 pub use engine::dispatch_outbox;
 pub(crate) use error::panic_message;
 pub use error::{DispatchError, Disposition, ErrorCallback};
@@ -28,7 +30,7 @@ pub use publisher::{BoxError, PublishError, Publisher};
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub(crate) use repository::MAX_SQL_DURATION;
 pub use repository::{
-    Claim, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow, RetryOutcome,
+    Backlog, Claim, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow, RetryOutcome,
 };
 pub(crate) use repository::{KNOWN_STATES, due_in};
 pub use retry::{MAX_RETRY_DELAY, MIN_RETRY_DELAY, RetryPolicy};

@@ -107,6 +107,28 @@ impl Claim {
     }
 }
 
+/// How much is waiting in an outbox: what the dispatcher reports as the
+/// [`UNDISPATCHED`](crate::metrics::UNDISPATCHED) and [`LAG_SECONDS`](crate::metrics::LAG_SECONDS)
+/// gauges.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Backlog {
+    /// Rows not yet dispatched (pending, claimed or failed; not dead).
+    pub undispatched: u64,
+    /// How long the oldest of them has waited since it was enqueued.
+    pub oldest: Option<Duration>,
+}
+
+impl Backlog {
+    /// A backlog of `undispatched` rows, the oldest enqueued `oldest` ago.
+    pub fn new(undispatched: u64, oldest: Option<Duration>) -> Self {
+        Self {
+            undispatched,
+            oldest,
+        }
+    }
+}
+
 /// A successfully dispatched row and what dispatching produced.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
@@ -387,6 +409,12 @@ pub trait OutboxRepository: Send + Sync + 'static {
     /// `None` if no undispatched row exists.
     fn next_due_in(&self) -> impl Future<Output = Result<Option<Duration>>> + Send;
 
+    /// How many rows wait to be dispatched and how long the oldest has waited, for the
+    /// dispatcher's backlog gauges. The default reports nothing (`None`).
+    fn backlog(&self) -> impl Future<Output = Result<Option<Backlog>>> + Send {
+        std::future::ready(Ok(None))
+    }
+
     /// Whether [`extend_lease`](Self::extend_lease) is implemented. When it is not (the
     /// default, `false`), the dispatcher releases a batch that has too little lease left
     /// instead of publishing it, and stops a publish that is about to outlive its lease, so
@@ -468,6 +496,10 @@ impl<R: OutboxRepository> OutboxRepository for Arc<R> {
 
     fn next_due_in(&self) -> impl Future<Output = Result<Option<Duration>>> + Send {
         (**self).next_due_in()
+    }
+
+    fn backlog(&self) -> impl Future<Output = Result<Option<Backlog>>> + Send {
+        (**self).backlog()
     }
 
     fn extends_leases(&self) -> bool {

@@ -33,6 +33,8 @@ pub(super) struct Worker<R, P> {
     pub(super) wake: mpsc::Receiver<()>,
     /// Deleting old dispatched rows, if asked for.
     pub(super) retention: Option<Retention>,
+    /// Reporting the backlog gauges: how often, and when next.
+    pub(super) backlog: Option<(Duration, Instant)>,
 }
 
 /// [`DispatcherBuilder::retain_dispatched`](crate::DispatcherBuilder::retain_dispatched): how
@@ -90,6 +92,7 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
                 break;
             }
             self.purge_if_due().await;
+            self.report_backlog_if_due().await;
             let retry_at = match claimed {
                 Some(claimed) => match self.next_due_in().await {
                     Ok(None) => {
@@ -197,6 +200,30 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
             Ok(deleted) => tracing::debug!(deleted, "purged old dispatched outbox rows"),
             Err(source) => self.report(&DispatchError::Repository {
                 operation: "purge dispatched rows",
+                source,
+            }),
+        }
+    }
+
+    /// Sets the [`UNDISPATCHED`](crate::metrics::UNDISPATCHED) and
+    /// [`LAG_SECONDS`](crate::metrics::LAG_SECONDS) gauges, at most once per interval.
+    async fn report_backlog_if_due(&mut self) {
+        let Some((every, next)) = &mut self.backlog else {
+            return;
+        };
+        if Instant::now() < *next {
+            return;
+        }
+        *next = deadline(Instant::now(), *every);
+        match self.repo.backlog().await {
+            Ok(Some(backlog)) => {
+                metrics::gauge!(crate::metrics::UNDISPATCHED).set(backlog.undispatched as f64);
+                metrics::gauge!(crate::metrics::LAG_SECONDS)
+                    .set(backlog.oldest.map_or(0.0, |age| age.as_secs_f64()));
+            }
+            Ok(None) => {}
+            Err(source) => self.report(&DispatchError::Repository {
+                operation: "read the backlog",
                 source,
             }),
         }

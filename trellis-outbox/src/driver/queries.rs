@@ -57,6 +57,7 @@ macro_rules! queries {
             for<'r> Option<f64>: Decode<'r, DB> + Type<DB>,
             for<'r> (i64, String, String): sqlx::FromRow<'r, DB::Row>,
             for<'r> (String, i64, Option<f64>): sqlx::FromRow<'r, DB::Row>,
+            for<'r> (i64, Option<f64>): sqlx::FromRow<'r, DB::Row>,
             for<'r> String: Decode<'r, DB> + Type<DB>,
             usize: sqlx::ColumnIndex<DB::Row>,
             DB::QueryResult: RowsAffected,
@@ -106,6 +107,14 @@ queries! {
         sql: &'a Arc<str>,
     ) -> sqlx::Result<Vec<(String, i64, Option<f64>)>> {
         sqlx::query_as(statement(sql)).fetch_all(pool).await
+    }
+
+    /// Runs `sql`, which answers one row of a count and a nullable number of seconds.
+    fn fetch_count_age<'a>(
+        pool: &'a Pool<Self>,
+        sql: &'a Arc<str>,
+    ) -> sqlx::Result<(i64, Option<f64>)> {
+        sqlx::query_as(statement(sql)).fetch_one(pool).await
     }
 
     /// Runs `sql` binding `first`, `second` (NULL for none) and a limit; the rows it returns.

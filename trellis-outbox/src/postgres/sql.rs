@@ -116,6 +116,11 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
              EXTRACT(EPOCH FROM now() - min(created_at))::float8 FROM {o} GROUP BY state"
         )
         .into(),
+        backlog: format!(
+            "SELECT count(*), EXTRACT(EPOCH FROM now() - min(created_at))::float8 \
+             FROM {o} WHERE state IN ({OPEN_STATES})"
+        )
+        .into(),
         list: format!(
             "SELECT {COLUMNS} FROM {o} WHERE state = $1 AND ($2::text IS NULL OR name = $2) \
              ORDER BY created_at, id LIMIT $3"

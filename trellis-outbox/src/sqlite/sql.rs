@@ -125,6 +125,11 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
              (julianday({NOW}) - julianday(min(created_at))) * 86400.0 FROM {o} GROUP BY state"
         )
         .into(),
+        backlog: format!(
+            "SELECT count(*), (julianday({NOW}) - julianday(min(created_at))) * 86400.0 \
+             FROM {o} WHERE state IN ({OPEN_STATES})"
+        )
+        .into(),
         list: format!(
             "SELECT {COLUMNS} FROM {o} WHERE state = ?1 AND (?2 IS NULL OR name = ?2) \
              ORDER BY created_at, id LIMIT ?3"
