@@ -15,6 +15,7 @@
 //! Needs Postgres at `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`; a
 //! fresh database is created and dropped). SQLite runs on a file under `target/`.
 
+mod purge;
 mod relay;
 
 use std::time::{Duration, Instant};
@@ -711,6 +712,9 @@ async fn main() -> Result<(), BoxError> {
     if args.first().map(String::as_str) == Some("relay") {
         return relay::main(&args[1..]).await;
     }
+    if args.first().map(String::as_str) == Some("purge") {
+        return purge::main(&args[1..]).await;
+    }
     let quick = args.iter().any(|a| a == "--quick");
     let which: Vec<&str> = args
         .iter()
@@ -729,7 +733,7 @@ async fn main() -> Result<(), BoxError> {
             relay::main(&relay_args).await?;
         }
         other => {
-            eprintln!("unknown benchmark {other:?}; available: enqueue, dispatch, relay");
+            eprintln!("unknown benchmark {other:?}; available: enqueue, dispatch, relay, purge");
             std::process::exit(2);
         }
     }
