@@ -1,11 +1,12 @@
 //! Benchmarks: trellis-outbox against raw baselines measured side by side in the same run.
 //!
 //! ```text
-//! cargo run --release --example bench -- [enqueue|dispatch|relay] [--quick]
+//! cargo run --release --example bench -- [enqueue|dispatch|relay|consume] [--quick]
 //! ```
 //!
 //! `relay` (Postgres → NATS JetStream, needs NATS) has parts of its own; see `relay.rs`.
-//! Without a name, all three run.
+//! `consume` (NATS JetStream → Postgres with the inbox, needs NATS) is in `consume.rs`.
+//! Without a name, all four run.
 //!
 //! Each comparison alternates rounds of the baseline and of trellis-outbox on the same
 //! database and table, so drift (fsync latency, autovacuum, cache) hits both alike, and
@@ -15,6 +16,7 @@
 //! Needs Postgres at `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`; a
 //! fresh database is created and dropped). SQLite runs on a file under `target/`.
 
+mod consume;
 mod purge;
 mod relay;
 
@@ -715,6 +717,9 @@ async fn main() -> Result<(), BoxError> {
     if args.first().map(String::as_str) == Some("purge") {
         return purge::main(&args[1..]).await;
     }
+    if args.first().map(String::as_str) == Some("consume") {
+        return consume::bench(&args[1..]).await;
+    }
     let quick = args.iter().any(|a| a == "--quick");
     let which: Vec<&str> = args
         .iter()
@@ -731,9 +736,12 @@ async fn main() -> Result<(), BoxError> {
             let relay_args: Vec<String> =
                 args.iter().filter(|a| *a == "--quick").cloned().collect();
             relay::main(&relay_args).await?;
+            consume::bench(&relay_args).await?;
         }
         other => {
-            eprintln!("unknown benchmark {other:?}; available: enqueue, dispatch, relay, purge");
+            eprintln!(
+                "unknown benchmark {other:?}; available: enqueue, dispatch, relay, consume, purge"
+            );
             std::process::exit(2);
         }
     }
