@@ -79,7 +79,7 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
         let mut status = OutboxStatus::default();
         for (state, count, age) in rows {
             let undispatched = UNDISPATCHED.iter().any(|s| s.as_str() == state);
-            let age = age.map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX));
+            let age = age.map(crate::dispatch::due_in);
             if undispatched && let Some(age) = age {
                 status.oldest_undispatched =
                     Some(status.oldest_undispatched.map_or(age, |o| o.max(age)));

@@ -250,7 +250,7 @@ where
         .collect()
 }
 
-fn check_message_id(message_id: &str) -> Result<()> {
+pub(crate) fn check_message_id(message_id: &str) -> Result<()> {
     let problem = if message_id.is_empty() {
         "is empty"
     } else if message_id.chars().any(char::is_control) {

@@ -289,7 +289,7 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
             .map_err(Error::repository("backlog"))?;
         Ok(Some(Backlog::new(
             u64::try_from(count).unwrap_or(0),
-            age.map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX)),
+            age.map(due_in),
         )))
     }
 

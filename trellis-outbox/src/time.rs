@@ -3,6 +3,14 @@
 use chrono::{DateTime, SecondsFormat, Utc};
 
 /// The current time, truncated to whole milliseconds (the precision Trellis stores).
+/// `time + duration`, or the latest representable time if that overflows.
+pub(crate) fn add_saturating(time: DateTime<Utc>, duration: std::time::Duration) -> DateTime<Utc> {
+    chrono::TimeDelta::from_std(duration)
+        .ok()
+        .and_then(|d| time.checked_add_signed(d))
+        .unwrap_or(DateTime::<Utc>::MAX_UTC)
+}
+
 pub(crate) fn now_millis() -> DateTime<Utc> {
     let now = Utc::now();
     DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now)

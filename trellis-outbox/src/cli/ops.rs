@@ -5,8 +5,9 @@ use std::io::Write;
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+use sqlx::pool::PoolOptions;
+use sqlx::postgres::PgConnectOptions;
+use sqlx::sqlite::SqliteConnectOptions;
 use sqlx::{Pool, Postgres, Sqlite};
 
 use super::{CliError, Command, Global};
@@ -29,30 +30,16 @@ impl Database {
         let url = url.ok_or(
             "no database: pass --database-url (or set DATABASE_URL) to postgres://… or sqlite:<path>",
         )?;
-        let unreachable =
-            |e: sqlx::Error| format!("cannot connect to the database at {}: {e}", redact(url));
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             let options =
                 PgConnectOptions::from_str(url).map_err(|e| format!("bad --database-url: {e}"))?;
-            let pool = PgPoolOptions::new()
-                .max_connections(4)
-                .acquire_timeout(CONNECT_TIMEOUT)
-                .connect_with(options)
-                .await
-                .map_err(unreachable)?;
-            Ok(Self::Postgres(pool))
+            Ok(Self::Postgres(pool(url, options).await?))
         } else if url.starts_with("sqlite:") {
             let options = SqliteConnectOptions::from_str(url)
                 .map_err(|e| format!("bad --database-url: {e}"))?
                 .create_if_missing(create)
                 .busy_timeout(Duration::from_secs(10));
-            let pool = SqlitePoolOptions::new()
-                .max_connections(4)
-                .acquire_timeout(CONNECT_TIMEOUT)
-                .connect_with(options)
-                .await
-                .map_err(unreachable)?;
-            Ok(Self::Sqlite(pool))
+            Ok(Self::Sqlite(pool(url, options).await?))
         } else {
             Err(format!(
                 "unsupported --database-url {}: use postgres://… or sqlite:<path>",
@@ -61,6 +48,19 @@ impl Database {
             .into())
         }
     }
+}
+
+/// The tool's small pool on the database `options` describe (`url`, for messages).
+async fn pool<DB: sqlx::Database>(
+    url: &str,
+    options: <DB::Connection as sqlx::Connection>::Options,
+) -> Result<Pool<DB>, CliError> {
+    PoolOptions::<DB>::new()
+        .max_connections(4)
+        .acquire_timeout(CONNECT_TIMEOUT)
+        .connect_with(options)
+        .await
+        .map_err(|e| format!("cannot connect to the database at {}: {e}", redact(url)).into())
 }
 
 /// `url` without its password, for messages.

@@ -4,13 +4,14 @@ use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use chrono::{DateTime, TimeDelta, Utc};
+use chrono::{DateTime, Utc};
 
 use crate::dispatch::repository::{
     Backlog, Claim, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow, RetryOutcome,
 };
 use crate::error::Result;
 use crate::record::{OutboxMessage, OutboxMessageState, ToOutboxRecord, new_id};
+use crate::time::add_saturating;
 
 /// An [`OutboxRepository`] that keeps rows in memory, with the same leases, fencing tokens,
 /// ordering and due rules as the SQL repositories. Meant for users' tests and examples;
@@ -131,7 +132,7 @@ impl MemoryOutboxRepository {
     /// The repository's current time (see [Clock](Self#clock)), in whole milliseconds.
     pub fn now(&self) -> DateTime<Utc> {
         let elapsed = tokio::time::Instant::now().saturating_duration_since(self.epoch_instant);
-        truncate_millis(add(self.epoch_wall, elapsed))
+        truncate_millis(add_saturating(self.epoch_wall, elapsed))
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -247,7 +248,7 @@ impl MemoryOutboxRepository {
                 FailureOutcome::Retry { after } => (
                     OutboxMessageState::Failed,
                     true,
-                    Some(truncate_millis(add(now, after))),
+                    Some(truncate_millis(add_saturating(now, after))),
                 ),
                 FailureOutcome::Dead { count_attempt } => {
                     (OutboxMessageState::Dead, count_attempt, None)
@@ -292,7 +293,7 @@ impl OutboxRepository for MemoryOutboxRepository {
         });
         due.truncate(limit);
         let mut claim = Claim::empty(token, cutoff);
-        let until = add(now, lease);
+        let until = add_saturating(now, lease);
         for i in due {
             let row = &mut inner.rows[i];
             row.claimed_until = Some(until);
@@ -337,7 +338,7 @@ impl OutboxRepository for MemoryOutboxRepository {
 
     async fn extend_lease(&self, claim: &Claim, ids: &[&str], lease: Duration) -> Result<u64> {
         Ok(self.for_held(claim, ids, |row, now| {
-            row.claimed_until = Some(add(now, lease));
+            row.claimed_until = Some(add_saturating(now, lease));
         }))
     }
 
@@ -410,14 +411,6 @@ impl OutboxRepository for MemoryOutboxRepository {
     fn overlaps_batches(&self) -> bool {
         true
     }
-}
-
-/// `time + duration`, saturating at the largest representable time.
-fn add(time: DateTime<Utc>, duration: Duration) -> DateTime<Utc> {
-    TimeDelta::from_std(duration)
-        .ok()
-        .and_then(|d| time.checked_add_signed(d))
-        .unwrap_or(DateTime::<Utc>::MAX_UTC)
 }
 
 fn truncate_millis(time: DateTime<Utc>) -> DateTime<Utc> {

@@ -59,16 +59,7 @@ impl NatsKvInboxRepository {
     /// [`Error::InvalidMessageId`] for an empty id or one with control characters;
     /// [`Error::Kv`] if the bucket fails.
     pub async fn record(&self, message_id: &str) -> Result<InboxReceipt> {
-        if message_id.is_empty() || message_id.chars().any(char::is_control) {
-            return Err(Error::InvalidMessageId {
-                message_id: message_id.to_owned(),
-                problem: if message_id.is_empty() {
-                    "is empty"
-                } else {
-                    "contains control characters"
-                },
-            });
-        }
+        crate::outbox::check_message_id(message_id)?;
         let key = key_of(message_id);
         let value = serde_json::json!({
             "messageId": message_id,

@@ -14,7 +14,7 @@ use crate::dispatch::{
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, OutboxMessageState, ToOutboxRecord, new_id};
 use crate::row::existing_row;
-use crate::time::{format_timestamp, parse_timestamp};
+use crate::time::{add_saturating, format_timestamp, now_millis, parse_timestamp};
 
 /// How many keys are read or written at once during a scan or a batch of marks.
 const PARALLEL: usize = 32;
@@ -77,17 +77,6 @@ fn kv_error(
         source: Box::new(source),
         retryable: true,
     }
-}
-
-fn now_millis() -> DateTime<Utc> {
-    crate::time::now_millis()
-}
-
-fn later(now: DateTime<Utc>, by: Duration) -> DateTime<Utc> {
-    TimeDelta::from_std(by)
-        .ok()
-        .and_then(|d| now.checked_add_signed(d))
-        .unwrap_or(DateTime::<Utc>::MAX_UTC)
 }
 
 /// A record as read: its revision and its value as a JSON object (whatever it holds).
@@ -341,7 +330,7 @@ impl OutboxRepository for NatsKvOutboxRepository {
         let now = now_millis();
         let cutoff = cutoff.unwrap_or(now);
         let mut claim = Claim::empty(new_id(), cutoff);
-        let until = later(now, lease);
+        let until = add_saturating(now, lease);
         let mut due: Vec<(Read, Result<OutboxMessage>)> = self
             .read_all()
             .await?
@@ -437,7 +426,7 @@ impl OutboxRepository for NatsKvOutboxRepository {
                     FailureOutcome::Retry { after } => (
                         OutboxMessageState::Failed,
                         true,
-                        format_timestamp(later(now, after)),
+                        format_timestamp(add_saturating(now, after)),
                     ),
                     FailureOutcome::Dead { count_attempt } => {
                         (OutboxMessageState::Dead, count_attempt, NEVER.to_owned())
@@ -463,7 +452,11 @@ impl OutboxRepository for NatsKvOutboxRepository {
     async fn extend_lease(&self, claim: &Claim, ids: &[&str], lease: Duration) -> Result<u64> {
         let extended = self
             .change_all_held(claim, ids.iter().copied(), |_, value, now| {
-                set(value, "nextAttemptAt", format_timestamp(later(now, lease)));
+                set(
+                    value,
+                    "nextAttemptAt",
+                    format_timestamp(add_saturating(now, lease)),
+                );
             })
             .await?;
         Ok(extended.len() as u64)

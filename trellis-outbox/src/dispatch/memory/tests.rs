@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::record::PreparedOutboxRecord;
+use chrono::TimeDelta;
 use chrono::TimeZone;
 
 const LEASE: Duration = Duration::from_secs(30);
