@@ -9,7 +9,7 @@ use chrono::{DateTime, TimeDelta, TimeZone, Utc};
 use tokio::sync::watch;
 use tokio::time::{Instant, sleep};
 use trellis_outbox::{
-    Claim, DispatchError, DispatchOptions, DispatchReport, Dispatched, Disposition,
+    Claim, ClaimRequest, DispatchError, DispatchOptions, DispatchReport, Dispatched, Disposition,
     MemoryOutboxRepository, OutboxDispatcher, OutboxMessageState, OutboxRepository,
     PreparedOutboxRecord, PublishError, RetryPolicy, dispatch_outbox,
 };
@@ -105,12 +105,7 @@ impl Probe {
 }
 
 impl OutboxRepository for Probe {
-    async fn claim_due(
-        &self,
-        limit: usize,
-        lease: Duration,
-        cutoff: Option<DateTime<Utc>>,
-    ) -> trellis_outbox::Result<Claim> {
+    async fn claim(&self, request: ClaimRequest) -> trellis_outbox::Result<Claim> {
         self.claims.fetch_add(1, Ordering::SeqCst);
         let now_in = self.in_claim.fetch_add(1, Ordering::SeqCst) + 1;
         self.max_in_claim.fetch_max(now_in, Ordering::SeqCst);
@@ -129,11 +124,11 @@ impl OutboxRepository for Probe {
                 "database is down".into(),
             ))
         } else {
-            self.inner.claim_due(limit, lease, cutoff).await
+            self.inner.claim(request).await
         };
         if let Ok(claim) = &result {
             let ids = claim.messages.iter().map(|m| m.id.clone()).collect();
-            self.log.lock().unwrap().push((cutoff, ids));
+            self.log.lock().unwrap().push((request.cutoff, ids));
         }
         self.in_claim.fetch_sub(1, Ordering::SeqCst);
         result

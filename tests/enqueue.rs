@@ -586,3 +586,37 @@ fn postgres_statements_use_numbered_placeholders() {
         "INSERT INTO trellis_inbox (message_id, received_at) VALUES (?, ?) ON CONFLICT(message_id) DO NOTHING"
     );
 }
+
+/// `tx.enqueue(…)` and the other [`OutboxTransactionExt`] methods can be awaited in spawned
+/// tasks: their futures are `Send` for concrete transactions and in code generic over the
+/// database. Checked by the compiler: this test does not build if one is not.
+#[tokio::test]
+async fn transaction_futures_are_send() {
+    fn spawnable<F: std::future::Future + Send>(future: F) -> F {
+        future
+    }
+    async fn generic<DB: trellis_outbox::OutboxDatabase>(
+        tx: &mut sqlx::Transaction<'_, DB>,
+        record: &PreparedOutboxRecord,
+    ) -> trellis_outbox::Result<()> {
+        spawnable(tx.enqueue(record)).await?;
+        spawnable(tx.enqueue_all([record.clone()])).await?;
+        spawnable(tx.record_inbox("message-1")).await?;
+        Ok(())
+    }
+    async fn concrete(
+        pool: sqlx::PgPool,
+        record: PreparedOutboxRecord,
+    ) -> trellis_outbox::Result<()> {
+        let mut tx = pool.begin().await.map_err(|e| Error::Repository {
+            operation: "begin",
+            source: e,
+        })?;
+        spawnable(tx.enqueue(&record)).await?;
+        spawnable(generic(&mut tx, &record)).await?;
+        Ok(())
+    }
+    let pool = sqlx::PgPool::connect_lazy("postgres://localhost/unused").unwrap();
+    // Built, never polled: the assertion is the bound.
+    drop(spawnable(concrete(pool, record(1))));
+}

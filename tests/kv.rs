@@ -14,7 +14,7 @@ use async_nats::jetstream::kv::Store;
 use chrono::Utc;
 use serde_json::{Value, json};
 use trellis_outbox::{
-    DispatchOptions, Dispatched, Error, InboxReceipt, NatsKvInboxRepository,
+    DispatchOptions, Dispatched, Error, Failure, InboxReceipt, NatsKvInboxRepository,
     NatsKvOutboxRepository, OutboxDispatcher, OutboxMessageState, OutboxRepository,
     PreparedOutboxRecord, RetryOutcome, RetryPolicy, dispatch_outbox,
 };
@@ -202,7 +202,10 @@ async fn a_dead_dispatchers_claim_expires_and_its_late_marks_are_fenced() {
     );
     assert!(
         outbox
-            .mark_failed(&first, "orphan", "late", Duration::from_secs(1))
+            .mark_failure(
+                &first,
+                Failure::retry("orphan", "late", Duration::from_secs(1))
+            )
             .await
             .unwrap()
             .eq(&false)

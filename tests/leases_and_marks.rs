@@ -8,12 +8,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use tokio::time::{Instant, sleep};
 use trellis_outbox::{
-    Claim, DispatchError, DispatchOptions, Dispatched, Error, Failure, MemoryOutboxRepository,
-    OutboxDispatcher, OutboxMessageState, OutboxRepository, PreparedOutboxRecord, RetryPolicy,
-    dispatch_outbox,
+    Claim, ClaimRequest, DispatchError, DispatchOptions, Dispatched, Error, Failure,
+    MemoryOutboxRepository, OutboxDispatcher, OutboxMessageState, OutboxRepository,
+    PreparedOutboxRecord, RetryPolicy, dispatch_outbox,
 };
 use trellis_outbox_tests::publisher::RecordingPublisher;
 
@@ -94,7 +93,7 @@ struct Faulty {
     claims: AtomicUsize,
     /// Lease extensions are not supported (the trait's default).
     no_extend: AtomicBool,
-    /// Calls of `mark_failed`, `mark_dead` and `mark_failures`.
+    /// Calls of `mark_failures` (which `mark_failure` makes too).
     failure_marks: AtomicUsize,
 }
 
@@ -121,17 +120,12 @@ fn io_error() -> Error {
 }
 
 impl OutboxRepository for Faulty {
-    async fn claim_due(
-        &self,
-        limit: usize,
-        lease: Duration,
-        cutoff: Option<DateTime<Utc>>,
-    ) -> trellis_outbox::Result<Claim> {
+    async fn claim(&self, request: ClaimRequest) -> trellis_outbox::Result<Claim> {
         let n = self.claims.fetch_add(1, Ordering::SeqCst) + 1;
         if self.fail_claim.load(Ordering::SeqCst) == n {
             return Err(io_error());
         }
-        self.inner.claim_due(limit, lease, cutoff).await
+        self.inner.claim(request).await
     }
 
     async fn mark_dispatched(
@@ -150,28 +144,6 @@ impl OutboxRepository for Faulty {
         self.inner.mark_dispatched(claim, rows).await
     }
 
-    async fn mark_failed(
-        &self,
-        claim: &Claim,
-        id: &str,
-        error: &str,
-        retry_after: Duration,
-    ) -> trellis_outbox::Result<bool> {
-        self.failure_marks.fetch_add(1, Ordering::SeqCst);
-        self.inner.mark_failed(claim, id, error, retry_after).await
-    }
-
-    async fn mark_dead(
-        &self,
-        claim: &Claim,
-        id: &str,
-        reason: &str,
-        count_attempt: bool,
-    ) -> trellis_outbox::Result<bool> {
-        self.failure_marks.fetch_add(1, Ordering::SeqCst);
-        self.inner.mark_dead(claim, id, reason, count_attempt).await
-    }
-
     async fn mark_failures(
         &self,
         claim: &Claim,
@@ -183,27 +155,7 @@ impl OutboxRepository for Faulty {
                 "a value the batch statement refuses".into(),
             ));
         }
-        // The memory repository has no batch form: mark row by row without counting.
-        let mut marked = Vec::new();
-        for failure in failures {
-            let done = match failure.outcome {
-                trellis_outbox::FailureOutcome::Retry { after } => {
-                    self.inner
-                        .mark_failed(claim, &failure.id, &failure.error, after)
-                        .await?
-                }
-                trellis_outbox::FailureOutcome::Dead { count_attempt } => {
-                    self.inner
-                        .mark_dead(claim, &failure.id, &failure.error, count_attempt)
-                        .await?
-                }
-                _ => false,
-            };
-            if done {
-                marked.push(failure.id.clone());
-            }
-        }
-        Ok(marked)
+        self.inner.mark_failures(claim, failures).await
     }
 
     async fn extend_lease(

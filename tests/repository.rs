@@ -171,11 +171,16 @@ async fn expired_lease_is_reclaimed_and_stale_token_is_fenced(db: &impl Db) {
     );
     assert!(
         !repo
-            .mark_failed(&stale, id, "late", Duration::from_secs(1))
+            .mark_failure(&stale, Failure::retry(id, "late", Duration::from_secs(1)))
             .await
             .unwrap()
     );
-    assert!(!repo.mark_dead(&stale, id, "late", true).await.unwrap());
+    assert!(
+        !repo
+            .mark_failure(&stale, Failure::dead(id, "late", true))
+            .await
+            .unwrap()
+    );
     assert_eq!(repo.release(&stale, &[id]).await.unwrap(), 0);
     assert_eq!(db.row(id).await.0, "pending");
 
@@ -202,11 +207,13 @@ async fn failed_rows_wait_for_their_retry_time(db: &impl Db) {
     let id = rec[0].id.as_str();
     let claim = repo.claim_due(10, LEASE, None).await.unwrap();
     assert!(
-        repo.mark_failed(
+        repo.mark_failure(
             &claim,
-            id,
-            "nats: timed out: no ack within 5s",
-            Duration::from_millis(500)
+            Failure::retry(
+                id,
+                "nats: timed out: no ack within 5s",
+                Duration::from_millis(500)
+            )
         )
         .await
         .unwrap()
@@ -241,9 +248,12 @@ async fn a_drain_wave_does_not_retry_its_own_failures(db: &impl Db) {
     db.enqueue(&rec).await;
     let first = repo.claim_due(1, LEASE, None).await.unwrap();
     assert!(
-        repo.mark_failed(&first, &rec[0].id, "boom", Duration::from_millis(1))
-            .await
-            .unwrap()
+        repo.mark_failure(
+            &first,
+            Failure::retry(&rec[0].id, "boom", Duration::from_millis(1))
+        )
+        .await
+        .unwrap()
     );
     tokio::time::sleep(Duration::from_millis(20)).await;
     // Same wave: the cutoff of the first claim excludes the row that failed after it.
@@ -301,7 +311,7 @@ async fn poison_rows_are_reported_not_fatal(db: &impl Db, bad_headers: &str) {
 
     for poison in &claim.poisoned {
         assert!(
-            repo.mark_dead(&claim, &poison.id, &poison.reason, false)
+            repo.mark_failure(&claim, Failure::dead(&poison.id, &poison.reason, false))
                 .await
                 .unwrap()
         );
@@ -354,7 +364,7 @@ async fn retry_refuses_a_row_under_a_live_lease(db: &impl Db) {
     let first = holder.claim_due(1, LEASE, None).await.unwrap();
     assert!(
         holder
-            .mark_failed(&first, id, "boom", Duration::from_millis(1))
+            .mark_failure(&first, Failure::retry(id, "boom", Duration::from_millis(1)))
             .await
             .unwrap()
     );
@@ -379,7 +389,12 @@ async fn retry_refuses_a_row_under_a_live_lease(db: &impl Db) {
     let others = other.claim_due(10, LEASE, None).await.unwrap();
     let ids: Vec<&str> = others.messages.iter().map(|m| m.id.as_str()).collect();
     assert_eq!(ids, [rec[1].id.as_str()]);
-    assert!(holder.mark_dead(&claim, id, "gave up", true).await.unwrap());
+    assert!(
+        holder
+            .mark_failure(&claim, Failure::dead(id, "gave up", true))
+            .await
+            .unwrap()
+    );
     assert_eq!(db.row(id).await.0, "dead");
 
     // A dead row claimed by nobody is retried. So is a failed row whose lease expired.
@@ -391,7 +406,10 @@ async fn retry_refuses_a_row_under_a_live_lease(db: &impl Db) {
     assert_eq!(lapsed.messages[0].id, id);
     assert!(
         holder
-            .mark_failed(&lapsed, id, "boom", Duration::from_millis(1))
+            .mark_failure(
+                &lapsed,
+                Failure::retry(id, "boom", Duration::from_millis(1))
+            )
             .await
             .unwrap()
     );
@@ -412,7 +430,7 @@ async fn retry_refuses_a_row_under_a_live_lease(db: &impl Db) {
     // The expired claim's token was cleared: its marks are fenced out.
     assert!(
         !holder
-            .mark_failed(&lapsed, id, "late", LEASE)
+            .mark_failure(&lapsed, Failure::retry(id, "late", LEASE))
             .await
             .unwrap()
     );
@@ -447,7 +465,7 @@ async fn huge_leases_and_delays_mean_far_future(db: &impl Db) {
     let claim = repo.claim_due(1, Duration::MAX, None).await.unwrap();
     assert_eq!(claim.messages[0].id, rec[0].id);
     assert!(
-        repo.mark_failed(&claim, &rec[0].id, "boom", Duration::MAX)
+        repo.mark_failure(&claim, Failure::retry(&rec[0].id, "boom", Duration::MAX))
             .await
             .unwrap()
     );
@@ -682,7 +700,7 @@ async fn sqlite_unusual_poison_rows_are_reported_exactly() {
     assert!(reason("poison-blob").contains("created_at"));
     for poison in &claim.poisoned {
         assert!(
-            repo.mark_dead(&claim, &poison.id, &poison.reason, false)
+            repo.mark_failure(&claim, Failure::dead(&poison.id, &poison.reason, false))
                 .await
                 .unwrap()
         );

@@ -67,8 +67,8 @@ use futures::StreamExt;
 use sqlx::types::Json;
 use sqlx::{PgPool, Postgres};
 use trellis_outbox::{
-    Claim, DispatchOptions, Dispatched, DispatcherBuilder, JetStreamPublisher, Outbox,
-    OutboxDispatcher, OutboxMessage, OutboxRepository, OutboxTables, OutboxTransactionExt,
+    Claim, ClaimRequest, DispatchOptions, Dispatched, DispatcherBuilder, JetStreamPublisher,
+    Outbox, OutboxDispatcher, OutboxMessage, OutboxRepository, OutboxTables, OutboxTransactionExt,
     PgOutboxRepository, PreparedOutboxRecord, PublishError, Publisher, dispatch_outbox,
 };
 use trellis_outbox_tests::TestPg;
@@ -1005,15 +1005,10 @@ struct Timed<T> {
 }
 
 impl<R: OutboxRepository> OutboxRepository for Timed<R> {
-    async fn claim_due(
-        &self,
-        limit: usize,
-        lease: Duration,
-        cutoff: Option<chrono::DateTime<chrono::Utc>>,
-    ) -> trellis_outbox::Result<Claim> {
+    async fn claim(&self, request: ClaimRequest) -> trellis_outbox::Result<Claim> {
         let start = Instant::now();
         let started = now_ns();
-        let claim = self.inner.claim_due(limit, lease, cutoff).await;
+        let claim = self.inner.claim(request).await;
         Stages::add(&self.stages.claim_ns, start);
         if let Ok(claim) = &claim {
             record_steps(

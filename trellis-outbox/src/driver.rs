@@ -12,7 +12,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::{Database, Encode, Pool, Transaction, Type};
 
-use crate::dispatch::{Claim, Dispatched, Failure, RetryOutcome};
+use crate::dispatch::{Claim, ClaimRequest, Dispatched, Failure, RetryOutcome};
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord, new_id};
 use crate::row::{batch_result, existing_row};
@@ -81,12 +81,12 @@ pub(crate) mod sealed {
     }
 
     impl ClaimDue {
-        pub(crate) fn new(limit: usize, lease: Duration, cutoff: Option<DateTime<Utc>>) -> Self {
+        pub(crate) fn new(request: ClaimRequest) -> Self {
             Self {
                 token: new_id(),
-                limit: i64::try_from(limit).unwrap_or(i64::MAX),
-                lease,
-                cutoff,
+                limit: i64::try_from(request.limit).unwrap_or(i64::MAX),
+                lease: request.lease,
+                cutoff: request.cutoff,
             }
         }
 

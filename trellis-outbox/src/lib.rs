@@ -111,7 +111,7 @@ pub use crate::descriptor::{
     TRELLIS_EVENT_DESCRIPTOR, event_descriptor_identity, trellis_event_subject,
 };
 pub use crate::dispatch::{
-    Backlog, BoxError, Claim, DEFAULT_BACKLOG_EVERY, DispatchError, DispatchOptions,
+    Backlog, BoxError, Claim, ClaimRequest, DEFAULT_BACKLOG_EVERY, DispatchError, DispatchOptions,
     DispatchReport, Dispatched, DispatcherBuilder, DispatcherHandle, Disposition, ErrorCallback,
     Failure, FailureOutcome, MAX_RETRY_DELAY, MIN_RETRY_DELAY, MemoryOutboxRepository,
     OutboxDispatcher, OutboxRepository, PoisonRow, PublishError, Publisher, RetryOutcome,

@@ -1,12 +1,12 @@
 //! Transactional enqueue and inbox recording.
 
-use std::future::Future;
 use std::sync::{Arc, LazyLock};
 
 use sqlx::Transaction;
 use tracing::Instrument as _;
 
 use crate::driver::OutboxDatabase;
+use crate::driver::sealed::{Backend as _, Queries as _};
 use crate::error::{Error, Result};
 use crate::job::{JobSubmission, OutboxJob};
 use crate::record::{InboxReceipt, OutboxMessage, PreparedOutboxRecord, ToOutboxRecord};
@@ -114,7 +114,9 @@ impl Outbox {
         }
     }
 
-    /// Writes `record` to the outbox inside `tx` and returns the stored row.
+    /// Writes `record` to the outbox inside `tx` (a `sqlx::Transaction` on Postgres or
+    /// SQLite: the only types that implement [`OutboxTransactionExt`]) and returns the stored
+    /// row.
     ///
     /// Idempotent on the record id: when a row with that id already exists with the same
     /// kind, name, subject, payload and headers (the `Trellis-Event-Time`, `traceparent` and
@@ -130,19 +132,15 @@ impl Outbox {
     /// fails, [`Error::DuplicateIdentity`] if a row with the same id and different content
     /// exists, [`Error::StorageConflict`] if the insert conflicted but no row with the id can
     /// be read, [`Error::Decode`] if an existing row with the same id cannot be decoded.
-    pub async fn enqueue<DB, R>(
-        &self,
-        tx: &mut Transaction<'_, DB>,
-        record: &R,
-    ) -> Result<OutboxMessage>
+    pub async fn enqueue<T, R>(&self, tx: &mut T, record: &R) -> Result<OutboxMessage>
     where
-        DB: OutboxDatabase,
+        T: OutboxTransactionExt + ?Sized,
         R: ToOutboxRecord + ?Sized,
     {
         let record = record.to_outbox_record()?;
         record.validate()?;
         let span = tracing::debug_span!("outbox_enqueue", id = %record.id, name = %record.name);
-        DB::insert_one(&mut **tx, self.sql(DB::DIALECT), record)
+        T::Database::insert_one(tx.connection(), self.sql(T::Database::DIALECT), record)
             .instrument(span)
             .await
     }
@@ -154,18 +152,14 @@ impl Outbox {
     /// # Errors
     ///
     /// As [`Outbox::enqueue`].
-    pub async fn enqueue_job<DB, J>(
-        &self,
-        tx: &mut Transaction<'_, DB>,
-        job: &J,
-    ) -> Result<JobSubmission>
+    pub async fn enqueue_job<T, J>(&self, tx: &mut T, job: &J) -> Result<JobSubmission>
     where
-        DB: OutboxDatabase,
+        T: OutboxTransactionExt + ?Sized,
         J: OutboxJob + ?Sized,
     {
         let (record, submission) = job.prepare_job()?;
         record.validate()?;
-        DB::insert_one(&mut **tx, self.sql(DB::DIALECT), record).await?;
+        T::Database::insert_one(tx.connection(), self.sql(T::Database::DIALECT), record).await?;
         Ok(submission)
     }
 
@@ -180,13 +174,9 @@ impl Outbox {
     ///
     /// As [`Outbox::enqueue`]. On [`Error::DuplicateIdentity`] the other records of the call
     /// may already be written in `tx`: roll it back.
-    pub async fn enqueue_all<DB, I>(
-        &self,
-        tx: &mut Transaction<'_, DB>,
-        records: I,
-    ) -> Result<Vec<OutboxMessage>>
+    pub async fn enqueue_all<T, I>(&self, tx: &mut T, records: I) -> Result<Vec<OutboxMessage>>
     where
-        DB: OutboxDatabase,
+        T: OutboxTransactionExt + ?Sized,
         I: IntoIterator,
         I::Item: ToOutboxRecord,
     {
@@ -195,7 +185,7 @@ impl Outbox {
             return Ok(Vec::new());
         }
         let span = tracing::debug_span!("outbox_enqueue", rows = records.len());
-        DB::insert_many(&mut **tx, self.sql(DB::DIALECT), records)
+        T::Database::insert_many(tx.connection(), self.sql(T::Database::DIALECT), records)
             .instrument(span)
             .await
     }
@@ -211,15 +201,14 @@ impl Outbox {
     ///
     /// [`Error::InvalidMessageId`] for an empty id, [`Error::RecordInbox`] if the database
     /// fails.
-    pub async fn record_inbox<DB: OutboxDatabase>(
-        &self,
-        tx: &mut Transaction<'_, DB>,
-        message_id: &str,
-    ) -> Result<InboxReceipt> {
+    pub async fn record_inbox<T>(&self, tx: &mut T, message_id: &str) -> Result<InboxReceipt>
+    where
+        T: OutboxTransactionExt + ?Sized,
+    {
         check_message_id(message_id)?;
-        let sql = &self.sql(DB::DIALECT).text.inbox_insert;
-        let received_at = DB::time(now_millis());
-        let affected = DB::execute_pair(&mut **tx, sql, message_id, received_at)
+        let sql = &self.sql(T::Database::DIALECT).text.inbox_insert;
+        let received_at = T::Database::time(now_millis());
+        let affected = T::Database::execute_pair(tx.connection(), sql, message_id, received_at)
             .await
             .map_err(|source| Error::RecordInbox {
                 message_id: message_id.to_owned(),
@@ -293,80 +282,58 @@ pub(crate) fn check_message_id(message_id: &str) -> Result<()> {
 /// assert_eq!(stored.id, event.id);
 /// # Ok(()) }
 /// ```
+// `async fn` here is safe to call from spawned tasks: the trait is sealed, implemented for
+// sqlx transactions only, and the futures of these bodies are `Send` for those (asserted by
+// the tests' `transaction_futures_are_send`).
+#[allow(async_fn_in_trait)]
 pub trait OutboxTransactionExt: sealed_ext::Sealed {
     /// See [`Outbox::enqueue`].
-    fn enqueue<'a, R>(
-        &'a mut self,
-        record: &'a R,
-    ) -> impl Future<Output = Result<OutboxMessage>> + Send + 'a
-    where
-        R: ToOutboxRecord + ?Sized + Sync;
-
-    /// See [`Outbox::enqueue_all`].
-    fn enqueue_all<'a, I>(
-        &'a mut self,
-        records: I,
-    ) -> impl Future<Output = Result<Vec<OutboxMessage>>> + Send + 'a
-    where
-        I: IntoIterator + Send + 'a,
-        I::Item: ToOutboxRecord;
-
-    /// See [`Outbox::record_inbox`].
-    fn record_inbox<'a>(
-        &'a mut self,
-        message_id: &'a str,
-    ) -> impl Future<Output = Result<InboxReceipt>> + Send + 'a;
-
-    /// See [`Outbox::enqueue_job`].
-    fn enqueue_job<'a, J>(
-        &'a mut self,
-        job: &'a J,
-    ) -> impl Future<Output = Result<JobSubmission>> + Send + 'a
-    where
-        J: OutboxJob + ?Sized + Sync;
-}
-
-mod sealed_ext {
-    pub trait Sealed {}
-    impl<DB: super::OutboxDatabase> Sealed for sqlx::Transaction<'_, DB> {}
-}
-
-impl<DB: OutboxDatabase> OutboxTransactionExt for Transaction<'_, DB> {
-    fn enqueue<'a, R>(
-        &'a mut self,
-        record: &'a R,
-    ) -> impl Future<Output = Result<OutboxMessage>> + Send + 'a
+    async fn enqueue<R>(&mut self, record: &R) -> Result<OutboxMessage>
     where
         R: ToOutboxRecord + ?Sized + Sync,
     {
-        DEFAULT_OUTBOX.enqueue(self, record)
+        DEFAULT_OUTBOX.enqueue(self, record).await
     }
 
-    fn enqueue_all<'a, I>(
-        &'a mut self,
-        records: I,
-    ) -> impl Future<Output = Result<Vec<OutboxMessage>>> + Send + 'a
+    /// See [`Outbox::enqueue_all`].
+    async fn enqueue_all<I>(&mut self, records: I) -> Result<Vec<OutboxMessage>>
     where
-        I: IntoIterator + Send + 'a,
+        I: IntoIterator + Send,
         I::Item: ToOutboxRecord,
     {
-        DEFAULT_OUTBOX.enqueue_all(self, records)
+        DEFAULT_OUTBOX.enqueue_all(self, records).await
     }
 
-    fn record_inbox<'a>(
-        &'a mut self,
-        message_id: &'a str,
-    ) -> impl Future<Output = Result<InboxReceipt>> + Send + 'a {
-        DEFAULT_OUTBOX.record_inbox(self, message_id)
+    /// See [`Outbox::record_inbox`].
+    async fn record_inbox(&mut self, message_id: &str) -> Result<InboxReceipt> {
+        DEFAULT_OUTBOX.record_inbox(self, message_id).await
     }
 
-    fn enqueue_job<'a, J>(
-        &'a mut self,
-        job: &'a J,
-    ) -> impl Future<Output = Result<JobSubmission>> + Send + 'a
+    /// See [`Outbox::enqueue_job`].
+    async fn enqueue_job<J>(&mut self, job: &J) -> Result<JobSubmission>
     where
         J: OutboxJob + ?Sized + Sync,
     {
-        DEFAULT_OUTBOX.enqueue_job(self, job)
+        DEFAULT_OUTBOX.enqueue_job(self, job).await
+    }
+}
+
+impl<DB: OutboxDatabase> OutboxTransactionExt for Transaction<'_, DB> {}
+
+mod sealed_ext {
+    use crate::driver::OutboxDatabase;
+
+    /// What the outbox needs of a transaction: its database and its connection. Only
+    /// `sqlx::Transaction` has it, so nothing else can be written to.
+    pub trait Sealed: Send {
+        type Database: OutboxDatabase;
+        fn connection(&mut self) -> &mut <Self::Database as sqlx::Database>::Connection;
+    }
+
+    impl<DB: OutboxDatabase> Sealed for sqlx::Transaction<'_, DB> {
+        type Database = DB;
+        fn connection(&mut self) -> &mut DB::Connection {
+            self
+        }
     }
 }

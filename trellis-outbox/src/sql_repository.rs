@@ -5,11 +5,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use sqlx::Pool;
 
 use crate::dispatch::{
-    Backlog, Claim, Dispatched, Failure, OutboxRepository, PoisonRow, RetryOutcome, due_in,
+    Backlog, Claim, ClaimRequest, Dispatched, Failure, OutboxRepository, PoisonRow, RetryOutcome,
+    due_in,
 };
 use crate::driver::OutboxDatabase;
 use crate::driver::sealed::{ClaimDue, Fenced, On};
@@ -202,13 +202,8 @@ impl<DB: OutboxDatabase> std::fmt::Debug for SqlOutboxRepository<DB> {
 }
 
 impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
-    async fn claim_due(
-        &self,
-        limit: usize,
-        lease: Duration,
-        cutoff: Option<DateTime<Utc>>,
-    ) -> Result<Claim> {
-        DB::claim_due(self.on(), ClaimDue::new(limit, lease, cutoff)).await
+    async fn claim(&self, request: ClaimRequest) -> Result<Claim> {
+        DB::claim_due(self.on(), ClaimDue::new(request)).await
     }
 
     async fn mark_dispatched(&self, claim: &Claim, rows: &[Dispatched]) -> Result<u64> {

@@ -223,19 +223,11 @@ async fn on<DB: OutboxDatabase>(
         } => {
             if let Some(age) = dispatched_older_than {
                 let deleted = repo.purge_dispatched(age, batch).await?;
-                writeln!(
-                    out,
-                    "deleted {deleted} dispatched rows older than {}",
-                    seconds(age)
-                )?;
+                purged(out, deleted, "dispatched", age)?;
             }
             if let Some(age) = inbox_older_than {
                 let deleted = repo.purge_inbox(age, batch).await?;
-                writeln!(
-                    out,
-                    "deleted {deleted} inbox rows older than {}",
-                    seconds(age)
-                )?;
+                purged(out, deleted, "inbox", age)?;
             }
         }
         // Both are handled before a database is opened.
@@ -244,6 +236,15 @@ async fn on<DB: OutboxDatabase>(
         }
     }
     Ok(())
+}
+
+/// The line `purge` prints for one table.
+fn purged(out: &mut dyn Write, deleted: u64, what: &str, age: Duration) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "deleted {deleted} {what} rows older than {}",
+        seconds(age)
+    )
 }
 
 /// A duration for people: `3s`, `1h 2m`.
@@ -257,8 +258,12 @@ mod tests {
 
     #[test]
     fn passwords_are_not_printed() {
-        assert_eq!(redact("postgres://u:secret@h/db"), "postgres://u:***@h/db");
-        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
-        assert_eq!(redact("sqlite:app.db"), "sqlite:app.db");
+        for (url, shown) in [
+            ("postgres://u:secret@h/db", "postgres://u:***@h/db"),
+            ("postgres://u@h/db", "postgres://u@h/db"),
+            ("sqlite:app.db", "sqlite:app.db"),
+        ] {
+            assert_eq!(redact(url), shown, "{url}");
+        }
     }
 }

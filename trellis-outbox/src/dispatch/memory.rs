@@ -7,7 +7,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 
 use crate::dispatch::repository::{
-    Backlog, Claim, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow, RetryOutcome,
+    Backlog, Claim, ClaimRequest, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow,
+    RetryOutcome,
 };
 use crate::error::Result;
 use crate::record::{OutboxMessage, OutboxMessageState, ToOutboxRecord, new_id};
@@ -241,7 +242,7 @@ impl MemoryOutboxRepository {
     }
 
     /// Marks one failed row as `failure` says; `true` if the claim still held it.
-    fn mark_failure(&self, claim: &Claim, failure: &Failure) -> bool {
+    fn mark_held_failure(&self, claim: &Claim, failure: &Failure) -> bool {
         self.for_held(claim, [&failure.id], |row, now| {
             let m = &mut row.message;
             let (state, counts, next_attempt_at) = match failure.outcome {
@@ -266,14 +267,9 @@ impl MemoryOutboxRepository {
 }
 
 impl OutboxRepository for MemoryOutboxRepository {
-    async fn claim_due(
-        &self,
-        limit: usize,
-        lease: Duration,
-        cutoff: Option<DateTime<Utc>>,
-    ) -> Result<Claim> {
+    async fn claim(&self, request: ClaimRequest) -> Result<Claim> {
         let now = self.now();
-        let cutoff = cutoff.unwrap_or(now);
+        let cutoff = request.cutoff.unwrap_or(now);
         let token = new_id();
         let mut inner = self.lock();
         let mut due: Vec<usize> = inner
@@ -291,9 +287,9 @@ impl OutboxRepository for MemoryOutboxRepository {
             let (a, b) = (&inner.rows[a].message, &inner.rows[b].message);
             (a.created_at, &a.id).cmp(&(b.created_at, &b.id))
         });
-        due.truncate(limit);
+        due.truncate(request.limit);
         let mut claim = Claim::empty(token, cutoff);
-        let until = add_saturating(now, lease);
+        let until = add_saturating(now, request.lease);
         for i in due {
             let row = &mut inner.rows[i];
             row.claimed_until = Some(until);
@@ -327,7 +323,7 @@ impl OutboxRepository for MemoryOutboxRepository {
     async fn mark_failures(&self, claim: &Claim, failures: &[Failure]) -> Result<Vec<String>> {
         Ok(failures
             .iter()
-            .filter(|failure| self.mark_failure(claim, failure))
+            .filter(|failure| self.mark_held_failure(claim, failure))
             .map(|failure| failure.id.clone())
             .collect())
     }

@@ -30,7 +30,8 @@ pub use publisher::{BoxError, PublishError, Publisher};
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub(crate) use repository::MAX_SQL_DURATION;
 pub use repository::{
-    Backlog, Claim, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow, RetryOutcome,
+    Backlog, Claim, ClaimRequest, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow,
+    RetryOutcome,
 };
 pub(crate) use repository::{KNOWN_STATES, due_in};
 pub use retry::{MAX_RETRY_DELAY, MIN_RETRY_DELAY, RetryPolicy};

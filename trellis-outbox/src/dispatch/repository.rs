@@ -21,6 +21,51 @@ pub struct PoisonRow {
     pub reason: String,
 }
 
+/// What to claim: at most [`limit`](Self::limit) due rows, each leased for
+/// [`lease`](Self::lease), due by [`cutoff`](Self::cutoff). The argument of
+/// [`OutboxRepository::claim`]; a struct so that claim options can be added without
+/// changing the trait.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use trellis_outbox::ClaimRequest;
+///
+/// let request = ClaimRequest::new(100, Duration::from_secs(30));
+/// assert_eq!(request.limit, 100);
+/// assert_eq!(request.cutoff, None);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ClaimRequest {
+    /// The most rows to claim.
+    pub limit: usize,
+    /// How long the claim holds its rows before another dispatcher may claim them.
+    pub lease: Duration,
+    /// The due cutoff, on the repository's clock; `None` means its current time. Pass the
+    /// previous claim's [`Claim::cutoff`] to stay in one drain wave.
+    pub cutoff: Option<DateTime<Utc>>,
+}
+
+impl ClaimRequest {
+    /// A claim of at most `limit` rows leased for `lease`, due by the repository's now.
+    pub fn new(limit: usize, lease: Duration) -> Self {
+        Self {
+            limit,
+            lease,
+            cutoff: None,
+        }
+    }
+
+    /// The same claim with a due cutoff (`None`: the repository's current time).
+    #[must_use]
+    pub fn cutoff(mut self, cutoff: Option<DateTime<Utc>>) -> Self {
+        self.cutoff = cutoff;
+        self
+    }
+}
+
 /// Rows claimed together under one lease.
 ///
 /// Every mark is fenced by [`Claim::token`]: once the lease expires and another dispatcher
@@ -290,7 +335,13 @@ impl std::fmt::Display for RetryOutcome {
 /// after the cutoff, and whose lease (if any) has expired. Rows in `dispatched` or `dead` are
 /// never claimed.
 pub trait OutboxRepository: Send + Sync + 'static {
-    /// Claims up to `limit` due rows for `lease`, oldest first (`created_at`, then `id`).
+    /// Claims up to [`ClaimRequest::limit`] due rows for [`ClaimRequest::lease`], oldest first
+    /// (`created_at`, then `id`). This is the method an implementation provides; callers
+    /// usually write [`claim_due`](Self::claim_due).
+    fn claim(&self, request: ClaimRequest) -> impl Future<Output = Result<Claim>> + Send;
+
+    /// Claims up to `limit` due rows for `lease`: a [`claim`](Self::claim) of
+    /// `ClaimRequest::new(limit, lease).cutoff(cutoff)`.
     ///
     /// `cutoff`: the due cutoff; `None` means the repository's current time. Pass the previous
     /// claim's [`Claim::cutoff`] to stay in one drain wave.
@@ -299,7 +350,9 @@ pub trait OutboxRepository: Send + Sync + 'static {
         limit: usize,
         lease: Duration,
         cutoff: Option<DateTime<Utc>>,
-    ) -> impl Future<Output = Result<Claim>> + Send;
+    ) -> impl Future<Output = Result<Claim>> + Send {
+        self.claim(ClaimRequest::new(limit, lease).cutoff(cutoff))
+    }
 
     /// Marks rows of `claim` dispatched (clearing `next_attempt_at`, `last_error` and the
     /// lease; storing each outcome). Returns how many rows were still held by the claim and so
@@ -326,31 +379,30 @@ pub trait OutboxRepository: Send + Sync + 'static {
         failures: &[Failure],
     ) -> impl Future<Output = Result<Vec<String>>> + Send;
 
-    /// Marks one row of `claim` failed, due again `retry_after` from now: a
-    /// [`mark_failures`](Self::mark_failures) of one [`Failure::retry`]. Returns `false` if
-    /// the lease was lost (nothing changed).
-    fn mark_failed(
+    /// Marks one row of `claim` as `failure` says (retry later, or `dead`): a
+    /// [`mark_failures`](Self::mark_failures) of one. Returns `false` if the lease was lost
+    /// (nothing changed).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use trellis_outbox::{Failure, MemoryOutboxRepository, OutboxRepository, PreparedOutboxRecord};
+    ///
+    /// # async fn run() -> trellis_outbox::Result<()> {
+    /// let repo = MemoryOutboxRepository::new();
+    /// let record = PreparedOutboxRecord::event("Orders.Placed", "events.v1.Orders.Placed", &1)?;
+    /// repo.enqueue(&record)?;
+    /// let claim = repo.claim_due(10, Duration::from_secs(30), None).await?;
+    /// let failure = Failure::retry(&record.id, "no ack", Duration::from_secs(5));
+    /// assert!(repo.mark_failure(&claim, failure).await?);
+    /// # Ok(()) }
+    /// ```
+    fn mark_failure(
         &self,
         claim: &Claim,
-        id: &str,
-        error: &str,
-        retry_after: Duration,
+        failure: Failure,
     ) -> impl Future<Output = Result<bool>> + Send {
-        let failure = Failure::retry(id, error, retry_after);
-        async move { Ok(!self.mark_failures(claim, &[failure]).await?.is_empty()) }
-    }
-
-    /// Moves one row of `claim` to `dead` with `reason`: a
-    /// [`mark_failures`](Self::mark_failures) of one [`Failure::dead`]. Returns `false` if the
-    /// lease was lost.
-    fn mark_dead(
-        &self,
-        claim: &Claim,
-        id: &str,
-        reason: &str,
-        count_attempt: bool,
-    ) -> impl Future<Output = Result<bool>> + Send {
-        let failure = Failure::dead(id, reason, count_attempt);
         async move { Ok(!self.mark_failures(claim, &[failure]).await?.is_empty()) }
     }
 
@@ -440,13 +492,8 @@ pub trait OutboxRepository: Send + Sync + 'static {
 // elsewhere (e.g. a `MemoryOutboxRepository` a test inspects).
 
 impl<R: OutboxRepository> OutboxRepository for Arc<R> {
-    fn claim_due(
-        &self,
-        limit: usize,
-        lease: Duration,
-        cutoff: Option<DateTime<Utc>>,
-    ) -> impl Future<Output = Result<Claim>> + Send {
-        (**self).claim_due(limit, lease, cutoff)
+    fn claim(&self, request: ClaimRequest) -> impl Future<Output = Result<Claim>> + Send {
+        (**self).claim(request)
     }
 
     fn mark_dispatched(
@@ -469,13 +516,8 @@ impl<R: OutboxRepository> OutboxRepository for Arc<R> {
         (**self).mark_failures(claim, failures)
     }
 
-    fn extend_lease(
-        &self,
-        claim: &Claim,
-        ids: &[&str],
-        lease: Duration,
-    ) -> impl Future<Output = Result<u64>> + Send {
-        (**self).extend_lease(claim, ids, lease)
+    async fn extend_lease(&self, claim: &Claim, ids: &[&str], lease: Duration) -> Result<u64> {
+        (**self).extend_lease(claim, ids, lease).await
     }
 
     fn retry(&self, id: &str) -> impl Future<Output = Result<RetryOutcome>> + Send {

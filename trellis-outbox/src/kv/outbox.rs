@@ -9,7 +9,8 @@ use serde_json::{Map, Value};
 
 use super::record::{KvRecord, NEVER, key_of};
 use crate::dispatch::{
-    Claim, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow, RetryOutcome,
+    Claim, ClaimRequest, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow,
+    RetryOutcome,
 };
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, OutboxMessageState, ToOutboxRecord, new_id};
@@ -321,16 +322,11 @@ fn claimable_at(read: &Read) -> Option<DateTime<Utc>> {
 }
 
 impl OutboxRepository for NatsKvOutboxRepository {
-    async fn claim_due(
-        &self,
-        limit: usize,
-        lease: Duration,
-        cutoff: Option<DateTime<Utc>>,
-    ) -> Result<Claim> {
+    async fn claim(&self, request: ClaimRequest) -> Result<Claim> {
         let now = now_millis();
-        let cutoff = cutoff.unwrap_or(now);
+        let cutoff = request.cutoff.unwrap_or(now);
         let mut claim = Claim::empty(new_id(), cutoff);
-        let until = add_saturating(now, lease);
+        let until = add_saturating(now, request.lease);
         let mut due: Vec<(Read, Result<OutboxMessage>)> = self
             .read_all()
             .await?
@@ -358,7 +354,7 @@ impl OutboxRepository for NatsKvOutboxRepository {
             (Err(_), Err(_)) => a.key.cmp(&b.key),
         });
         for (mut read, message) in due {
-            if claim.len() >= limit {
+            if claim.len() >= request.limit {
                 break;
             }
             if !self.claim_one(&mut read, &claim.token, now, until).await? {

@@ -132,49 +132,34 @@ impl JetStreamError {
     }
 }
 
+impl JetStreamError {
+    /// The first part of the message: what failed, for which row. Kept one line a kind, so
+    /// the messages read as the table they are.
+    #[rustfmt::skip]
+    fn headline(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use JetStreamErrorKind as Kind;
+        let (id, subject, record) = (&self.row_id, &self.subject, self.record_kind);
+        match self.kind {
+            Kind::StreamNotFound => write!(f, "no JetStream stream captures subject `{subject}` (outbox row {id}); create a stream whose subjects include it"),
+            Kind::MaxPayloadExceeded => write!(f, "outbox row {id} is too large to publish to `{subject}`; no retry can deliver it"),
+            Kind::InvalidSubject => write!(f, "outbox row {id} has a subject that cannot be published to: `{subject}`"),
+            Kind::TimedOut => write!(f, "JetStream did not acknowledge outbox row {id} on `{subject}`"),
+            Kind::Disconnected => write!(f, "the NATS connection was lost before JetStream acknowledged outbox row {id} on `{subject}`"),
+            Kind::MaxAckPending => write!(f, "too many JetStream acknowledgements pending to publish outbox row {id} to `{subject}`"),
+            Kind::MalformedJob => write!(f, "outbox row {id} ({record}) cannot be turned into a Trellis job `created` event"),
+            Kind::InvalidHeader => write!(f, "outbox row {id:?} has an id or header that cannot be sent to NATS; no retry can deliver it"),
+            Kind::SubjectNotAllowed => write!(f, "outbox row {id:?} has subject `{subject}`, which no allowed subject prefix of this publisher matches"),
+            Kind::JobDispatchTimedOut => write!(f, "the job dispatcher did not decide on outbox row {id} ({record})"),
+            Kind::NoJobDispatch => write!(f, "outbox row {id} is a `{record}` record but no job dispatcher is configured (the JetStreamPublisher was built with `no_job_dispatch()`); it stays retryable until a publisher with job dispatch runs"),
+            Kind::Other => write!(f, "JetStream publish of outbox row {id} to `{subject}` failed"),
+        }
+    }
+}
+
 impl fmt::Display for JetStreamError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         use JetStreamErrorKind as Kind;
-        let (id, subject, record) = (&self.row_id, &self.subject, self.record_kind);
-        let headline = match self.kind {
-            Kind::StreamNotFound => format!(
-                "no JetStream stream captures subject `{subject}` (outbox row {id}); create a stream whose subjects include it"
-            ),
-            Kind::MaxPayloadExceeded => format!(
-                "outbox row {id} is too large to publish to `{subject}`; no retry can deliver it"
-            ),
-            Kind::InvalidSubject => {
-                format!("outbox row {id} has a subject that cannot be published to: `{subject}`")
-            }
-            Kind::TimedOut => {
-                format!("JetStream did not acknowledge outbox row {id} on `{subject}`")
-            }
-            Kind::Disconnected => format!(
-                "the NATS connection was lost before JetStream acknowledged outbox row {id} on `{subject}`"
-            ),
-            Kind::MaxAckPending => format!(
-                "too many JetStream acknowledgements pending to publish outbox row {id} to `{subject}`"
-            ),
-            Kind::MalformedJob => format!(
-                "outbox row {id} ({record}) cannot be turned into a Trellis job `created` event"
-            ),
-            Kind::InvalidHeader => format!(
-                "outbox row {id:?} has an id or header that cannot be sent to NATS; no retry can deliver it"
-            ),
-            Kind::SubjectNotAllowed => format!(
-                "outbox row {id:?} has subject `{subject}`, which no allowed subject prefix of this publisher matches"
-            ),
-            Kind::JobDispatchTimedOut => {
-                format!("the job dispatcher did not decide on outbox row {id} ({record})")
-            }
-            Kind::NoJobDispatch => format!(
-                "outbox row {id} is a `{record}` record but no job dispatcher is configured \
-                 (the JetStreamPublisher was built with `no_job_dispatch()`); it stays retryable \
-                 until a publisher with job dispatch runs"
-            ),
-            Kind::Other => format!("JetStream publish of outbox row {id} to `{subject}` failed"),
-        };
-        f.write_str(&headline)?;
+        self.headline(f)?;
         match (&self.detail, self.kind) {
             (Some(after), Kind::TimedOut | Kind::JobDispatchTimedOut) => {
                 write!(f, " within {after}")

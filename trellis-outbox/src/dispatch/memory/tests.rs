@@ -87,8 +87,18 @@ async fn expired_lease_is_reclaimed_and_stale_token_cannot_mark() {
             .unwrap(),
         0
     );
-    assert!(!repo.mark_failed(&stale, "a", "x", LEASE).await.unwrap());
-    assert!(!repo.mark_dead(&stale, "a", "x", true).await.unwrap());
+    assert!(
+        !repo
+            .mark_failure(&stale, Failure::retry("a", "x", LEASE))
+            .await
+            .unwrap()
+    );
+    assert!(
+        !repo
+            .mark_failure(&stale, Failure::dead("a", "x", true))
+            .await
+            .unwrap()
+    );
     assert_eq!(repo.release(&stale, &["a"]).await.unwrap(), 0);
     assert_eq!(repo.get("a").unwrap().state, OutboxMessageState::Pending);
     let outcome = serde_json::json!({"ok": true});
@@ -120,7 +130,7 @@ async fn failed_rows_respect_next_attempt_and_cutoff() {
     let claim = repo.claim_due(10, LEASE, None).await.unwrap();
     assert_eq!(claim.cutoff, start());
     assert!(
-        repo.mark_failed(&claim, "a", "boom", Duration::from_secs(5))
+        repo.mark_failure(&claim, Failure::retry("a", "boom", Duration::from_secs(5)))
             .await
             .unwrap()
     );
@@ -145,7 +155,11 @@ async fn failed_rows_respect_next_attempt_and_cutoff() {
     let again = repo.claim_due(10, LEASE, None).await.unwrap();
     assert_eq!(ids(&again), ["a"]);
     assert_eq!(again.messages[0].attempts, 1);
-    assert!(repo.mark_dead(&again, "a", "gave up", true).await.unwrap());
+    assert!(
+        repo.mark_failure(&again, Failure::dead("a", "gave up", true))
+            .await
+            .unwrap()
+    );
     let row = repo.get("a").unwrap();
     assert_eq!(
         (row.state, row.attempts, row.last_error.as_deref()),
@@ -174,7 +188,11 @@ async fn retry_refuses_a_row_under_a_live_lease() {
     let repo = MemoryOutboxRepository::starting_at(start());
     repo.enqueue(&record("a")).unwrap();
     let first = repo.claim_due(10, LEASE, None).await.unwrap();
-    assert!(repo.mark_failed(&first, "a", "boom", SEC).await.unwrap());
+    assert!(
+        repo.mark_failure(&first, Failure::retry("a", "boom", SEC))
+            .await
+            .unwrap()
+    );
     tokio::time::advance(SEC).await;
     let holder = repo.claim_due(10, LEASE, None).await.unwrap();
     assert_eq!(ids(&holder), ["a"]);
@@ -185,7 +203,11 @@ async fn retry_refuses_a_row_under_a_live_lease() {
     );
     assert!(repo.claim_due(10, LEASE, None).await.unwrap().is_empty());
     // The holder still owns the row: its mark lands.
-    assert!(repo.mark_failed(&holder, "a", "again", SEC).await.unwrap());
+    assert!(
+        repo.mark_failure(&holder, Failure::retry("a", "again", SEC))
+            .await
+            .unwrap()
+    );
     assert_eq!(repo.get("a").unwrap().attempts, 2);
     // A lease that expired does not hold the row.
     tokio::time::advance(SEC).await;
@@ -195,7 +217,12 @@ async fn retry_refuses_a_row_under_a_live_lease() {
     assert_eq!(repo.retry("a").await.unwrap(), RetryOutcome::Retried);
     let row = repo.get("a").unwrap();
     assert_eq!((row.state, row.attempts), (OutboxMessageState::Pending, 0));
-    assert!(!repo.mark_failed(&lapsed, "a", "late", SEC).await.unwrap());
+    assert!(
+        !repo
+            .mark_failure(&lapsed, Failure::retry("a", "late", SEC))
+            .await
+            .unwrap()
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -206,12 +233,12 @@ async fn next_due_in_is_the_earliest_deadline() {
     }
     let claim = repo.claim_due(10, LEASE, None).await.unwrap();
     assert!(
-        repo.mark_failed(&claim, "late", "x", Duration::from_secs(9))
+        repo.mark_failure(&claim, Failure::retry("late", "x", Duration::from_secs(9)))
             .await
             .unwrap()
     );
     assert!(
-        repo.mark_failed(&claim, "early", "x", Duration::from_secs(2))
+        repo.mark_failure(&claim, Failure::retry("early", "x", Duration::from_secs(2)))
             .await
             .unwrap()
     );
@@ -235,7 +262,7 @@ async fn poisoned_rows_and_release() {
     assert_eq!(repo.release(&claim, &["b", "missing"]).await.unwrap(), 1);
     assert!(!repo.is_leased("b"));
     assert!(
-        repo.mark_dead(&claim, "a-bad", "unknown kind", false)
+        repo.mark_failure(&claim, Failure::dead("a-bad", "unknown kind", false))
             .await
             .unwrap()
     );
