@@ -78,6 +78,10 @@ struct Probe {
     fail_claims: AtomicUsize,
     /// While set, claims wait for it to be cleared (after being counted).
     block: watch::Sender<bool>,
+    /// While set, `mark_dispatched` waits for it to be cleared.
+    block_marks: watch::Sender<bool>,
+    /// Whether to overlap batches like the memory repository (off: one stage at a time).
+    overlap: std::sync::atomic::AtomicBool,
     /// `(cutoff passed, ids returned)` per claim.
     log: Mutex<ClaimLog>,
 }
@@ -91,6 +95,8 @@ impl Probe {
             max_in_claim: AtomicUsize::new(0),
             fail_claims: AtomicUsize::new(0),
             block: watch::Sender::new(false),
+            block_marks: watch::Sender::new(false),
+            overlap: std::sync::atomic::AtomicBool::new(false),
             log: Mutex::new(Vec::new()),
         })
     }
@@ -139,6 +145,8 @@ impl OutboxRepository for Probe {
         claim: &Claim,
         rows: &[Dispatched],
     ) -> trellis_outbox::Result<u64> {
+        let mut blocked = self.block_marks.subscribe();
+        let _ = blocked.wait_for(|b| !*b).await;
         self.inner.mark_dispatched(claim, rows).await
     }
 
@@ -160,6 +168,10 @@ impl OutboxRepository for Probe {
 
     async fn next_due_in(&self) -> trellis_outbox::Result<Option<Duration>> {
         self.inner.next_due_in().await
+    }
+
+    fn overlaps_batches(&self) -> bool {
+        self.overlap.load(Ordering::SeqCst)
     }
 }
 
@@ -1041,6 +1053,71 @@ async fn overlapping_claims_the_next_batch_while_one_is_published() {
     dispatcher.shutdown().await;
     assert_eq!(publisher.total_attempts(), 6, "a row was published twice");
     assert_eq!(publisher.successes(), ["a", "b", "c", "d", "e", "f"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_mark_holds_up_neither_the_next_claim_nor_the_next_publish() {
+    let inner = Arc::new(MemoryOutboxRepository::new());
+    for id in ["a", "b", "c", "d", "e", "f"] {
+        inner.enqueue(&prepared(id)).unwrap();
+    }
+    let probe = Probe::new(inner.clone());
+    probe.overlap.store(true, Ordering::SeqCst);
+    probe.block_marks.send_replace(true);
+    let publisher = RecordingPublisher::new();
+    let dispatcher = OutboxDispatcher::builder(probe.clone(), publisher.clone())
+        .batch_size(2)
+        .idle_interval(LONG)
+        .start()
+        .unwrap();
+    // No mark has finished, yet all three batches were claimed and published.
+    assert!(publisher.wait_for_attempts(6, WAIT).await);
+    settle().await;
+    assert!(
+        ["a", "b", "c", "d", "e", "f"]
+            .iter()
+            .all(|id| state(&inner, id) == OutboxMessageState::Pending)
+    );
+    probe.block_marks.send_replace(false);
+    assert!(
+        eventually(|| ["a", "b", "c", "d", "e", "f"]
+            .iter()
+            .all(|id| state(&inner, id) == OutboxMessageState::Dispatched))
+        .await
+    );
+    dispatcher.shutdown().await;
+    assert_eq!(publisher.total_attempts(), 6, "a row was published twice");
+    assert_eq!(publisher.successes(), ["a", "b", "c", "d", "e", "f"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_notify_while_the_last_mark_runs_claims_at_once() {
+    let inner = Arc::new(MemoryOutboxRepository::new());
+    inner.enqueue(&prepared("a")).unwrap();
+    let probe = Probe::new(inner.clone());
+    probe.overlap.store(true, Ordering::SeqCst);
+    probe.block_marks.send_replace(true);
+    let publisher = RecordingPublisher::new();
+    let dispatcher = OutboxDispatcher::builder(probe.clone(), publisher.clone())
+        .idle_interval(LONG)
+        .start()
+        .unwrap();
+    assert!(publisher.wait_for_attempts(1, WAIT).await);
+    settle().await;
+    // The mark of [a] is stuck; a row committed now goes out without waiting for it.
+    inner.enqueue(&prepared("b")).unwrap();
+    dispatcher.notify();
+    assert!(publisher.wait_for_attempts(2, WAIT).await);
+    assert_eq!(state(&inner, "a"), OutboxMessageState::Pending);
+    probe.block_marks.send_replace(false);
+    assert!(
+        eventually(|| ["a", "b"]
+            .iter()
+            .all(|id| state(&inner, id) == OutboxMessageState::Dispatched))
+        .await
+    );
+    dispatcher.shutdown().await;
+    assert_eq!(publisher.successes(), ["a", "b"]);
 }
 
 #[tokio::test(start_paused = true)]

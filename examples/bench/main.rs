@@ -407,8 +407,12 @@ async fn bench_enqueue(quick: bool) -> Result<(), BoxError> {
     Ok(())
 }
 
-/// Loads `rows` pending rows (untimed) with `enqueue_all` in chunks, then refreshes the
-/// planner's statistics so neither side runs on a plan made for an empty backlog.
+/// Empties the outbox, loads `rows` pending rows (untimed) with `enqueue_all` in chunks,
+/// then refreshes the planner's statistics so neither side runs on a plan made for an empty
+/// backlog. Starting from an empty table makes rounds independent: the claim index's
+/// entries of rows dispatched earlier are only skipped once no open transaction (in any
+/// database of the server) is older than their update, which on a shared server is not
+/// always so soon.
 async fn load<DB: trellis_outbox::OutboxDatabase>(
     pool: &Pool<DB>,
     rows: u64,
@@ -416,6 +420,12 @@ async fn load<DB: trellis_outbox::OutboxDatabase>(
 where
     for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
 {
+    let empty = if DB::NAME == "SQLite" {
+        "DELETE FROM trellis_outbox"
+    } else {
+        "TRUNCATE trellis_outbox"
+    };
+    sqlx::raw_sql(empty).execute(pool).await?;
     let mut n = 0;
     while n < rows {
         let take = (rows - n).min(1_000);
@@ -505,8 +515,9 @@ const LOCKED_CLAIM_PG: &str = "SELECT id, subject, payload, headers FROM trellis
      WHERE state IN ('pending', 'failed') AND (next_attempt_at IS NULL OR next_attempt_at <= now()) \
      ORDER BY created_at, id LIMIT 100 FOR UPDATE SKIP LOCKED";
 
-/// For comparison only, the classic loop without a lease: in one transaction, lock 100 rows
-/// with `FOR UPDATE SKIP LOCKED`, "publish" while holding the locks, one `UPDATE … = ANY($1)`.
+/// The ceiling (`dispatch_pg_vs_ceiling`), the classic loop without a lease: in one
+/// transaction, lock 100 rows with `FOR UPDATE SKIP LOCKED`, "publish" while holding the
+/// locks, one `UPDATE … = ANY($1)`.
 /// It writes each row once instead of twice, but holds row locks (and a transaction) across
 /// the broker round trip.
 async fn locking_drain_pg(pool: &Pool<Postgres>, publisher: &Recorder) -> Result<u64, BoxError> {
@@ -532,8 +543,8 @@ async fn locking_drain_pg(pool: &Pool<Postgres>, publisher: &Recorder) -> Result
     }
 }
 
-/// The same on SQLite: `BEGIN IMMEDIATE`, select 100, "publish" holding the database's only
-/// write lock, one UPDATE.
+/// The same on SQLite (`dispatch_sqlite_vs_ceiling`): `BEGIN IMMEDIATE`, select 100, "publish"
+/// holding the database's only write lock, one UPDATE.
 async fn locking_drain_sqlite(pool: &Pool<Sqlite>, publisher: &Recorder) -> Result<u64, BoxError> {
     let mut total = 0;
     loop {
@@ -558,6 +569,95 @@ async fn locking_drain_sqlite(pool: &Pool<Sqlite>, publisher: &Recorder) -> Resu
         tx.commit().await?;
         total += ids.len() as u64;
     }
+}
+
+/// The narrow table of the machine's measured drain limit (`limits.md`, 1d): the columns a
+/// minimal outbox needs, one claim index, a payload of the same size as ours.
+const NARROW_TABLE: &str = "DROP TABLE IF EXISTS bench_narrow; \
+     CREATE TABLE bench_narrow (id text PRIMARY KEY, subject text NOT NULL, payload text NOT NULL, \
+     headers text, state text NOT NULL DEFAULT 'pending', attempts int NOT NULL DEFAULT 0, \
+     created_at timestamptz NOT NULL DEFAULT now(), next_attempt_at timestamptz NOT NULL DEFAULT now(), \
+     dispatched_at timestamptz); \
+     CREATE INDEX bench_narrow_claim ON bench_narrow (state, next_attempt_at)";
+
+/// Refills the narrow table with `rows` pending rows (untimed).
+async fn load_narrow(pool: &Pool<Postgres>, rows: u64) -> Result<(), BoxError> {
+    sqlx::raw_sql(NARROW_TABLE).execute(pool).await?;
+    let payload = serde_json::to_string(&event(0))?;
+    sqlx::query(
+        "INSERT INTO bench_narrow (id, subject, payload, headers) \
+         SELECT lpad(i::text, 26, '0'), $2, $3, '{\"Nats-Msg-Id\":\"x\"}' FROM generate_series(1, $1) AS i",
+    )
+    .bind(i64::try_from(rows)?)
+    .bind(SUBJECT)
+    .bind(payload)
+    .execute(pool)
+    .await?;
+    sqlx::raw_sql("ANALYZE bench_narrow").execute(pool).await?;
+    Ok(())
+}
+
+/// The measured limit's drain (`limits.md`, 1d) on the narrow table: in one transaction,
+/// `SELECT … FOR UPDATE SKIP LOCKED LIMIT 100`, one `UPDATE … = ANY($1)`.
+async fn narrow_drain_pg(pool: &Pool<Postgres>, publisher: &Recorder) -> Result<u64, BoxError> {
+    let mut total = 0;
+    loop {
+        let mut tx = pool.begin().await?;
+        let rows: Vec<(String, String, String)> = sqlx::query_as(
+            "SELECT id, subject, payload FROM bench_narrow WHERE state = 'pending' \
+             AND next_attempt_at <= now() ORDER BY next_attempt_at LIMIT 100 FOR UPDATE SKIP LOCKED",
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        if rows.is_empty() {
+            tx.commit().await?;
+            return Ok(total);
+        }
+        let ids: Vec<String> = rows.into_iter().map(|(id, ..)| id).collect();
+        publisher.record(&ids);
+        sqlx::query(
+            "UPDATE bench_narrow SET state = 'dispatched', dispatched_at = now() WHERE id = ANY($1)",
+        )
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        total += ids.len() as u64;
+    }
+}
+
+/// Where the gap to the machine's measured drain limit lies: the ceiling loop on the Trellis
+/// table (ours here) against the same loop on the narrow table, alternating rounds.
+async fn compare_with_narrow(
+    pool: &Pool<Postgres>,
+    rounds: usize,
+    rows: u64,
+    publisher: &Recorder,
+) -> Result<Outcome, BoxError> {
+    let mut rates = Rates::default();
+    for round in 0..rounds {
+        for side in sides(round) {
+            let start;
+            let drained = if side == 0 {
+                load_narrow(pool, rows).await?;
+                start = Instant::now();
+                narrow_drain_pg(pool, publisher).await?
+            } else {
+                load(pool, rows).await?;
+                start = Instant::now();
+                locking_drain_pg(pool, publisher).await?
+            };
+            let rate = drained as f64 / start.elapsed().as_secs_f64();
+            if drained != rows {
+                return Err(format!("drained {drained} rows, loaded {rows}").into());
+            }
+            rates.push(side, rate);
+        }
+    }
+    sqlx::raw_sql("DROP TABLE bench_narrow")
+        .execute(pool)
+        .await?;
+    Ok(rates.outcome())
 }
 
 /// An in-memory publisher that acknowledges everything and counts what it saw.
@@ -676,9 +776,11 @@ async fn bench_dispatch(quick: bool) -> Result<(), BoxError> {
         .await?,
         ">= 0.8",
     );
-    println!("for comparison, loops without a lease that hold locks while publishing:");
+    println!(
+        "against the ceiling, loops without a lease that hold locks while publishing (one transaction per batch):"
+    );
     report(
-        "dispatch_pg_vs_locking",
+        "dispatch_pg_vs_ceiling",
         "tx: SELECT FOR UPDATE SKIP LOCKED + UPDATE  vs  ours",
         compare_drains(
             &pg.pool,
@@ -688,10 +790,10 @@ async fn bench_dispatch(quick: bool) -> Result<(), BoxError> {
             || drain_ours(&pg_repo, &recorder),
         )
         .await?,
-        "none: the lease's cost",
+        ">= 0.8",
     );
     report(
-        "dispatch_sqlite_vs_locking",
+        "dispatch_sqlite_vs_ceiling",
         "BEGIN IMMEDIATE; SELECT + UPDATE  vs  ours",
         compare_drains(
             &sqlite,
@@ -701,7 +803,14 @@ async fn bench_dispatch(quick: bool) -> Result<(), BoxError> {
             || drain_ours(&sqlite_repo, &recorder),
         )
         .await?,
-        "none: the lease's cost",
+        ">= 0.8",
+    );
+    println!("where the rest of the machine's limit goes (the table itself):");
+    report(
+        "dispatch_pg_table_vs_narrow",
+        "ceiling loop: narrow table  vs  the Trellis table",
+        compare_with_narrow(&pg.pool, rounds, rows, &recorder).await?,
+        "none: the table's cost",
     );
     sqlite.close().await;
     pg.close().await;

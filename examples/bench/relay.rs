@@ -2,7 +2,8 @@
 //! baselines measured side by side in one run (issue 5, "Benchmark").
 //!
 //! ```text
-//! cargo run --release --example bench -- relay [throughput|latency|rss|sweep] [--quick] [--batch N] [--window N]
+//! cargo run --release --example bench -- relay [throughput|latency|rss|sweep|scale] [--quick] [--batch N] [--window N]
+//!     [--dispatchers N[,M…]] [--own-runtime]
 //! ```
 //!
 //! Needs Postgres at `DATABASE_URL` (a fresh database is created and dropped) and a NATS
@@ -49,6 +50,16 @@
 //!    parts run, this part runs in a fresh child process so earlier parts' heap does not
 //!    count.
 //!
+//! 4. **Scale-out** (`scale`, or `--dispatchers N[,M…]`; not in the default run): the same
+//!    load drained by one relay and by N relays at once (each `dispatch_outbox` on its own
+//!    4-connection pool and NATS connection, like separate relay processes) on one Postgres
+//!    and one stream, alternating rounds. `BENCH name=relay_x{N}`: ours = N relays' rows/s,
+//!    baseline = one relay's rows/s in the same run. `scale` alone means 2 and 4.
+//!
+//! `--own-runtime` runs the in-process latency mode's dispatcher (with its pool and NATS
+//! connection) on a separate one-worker tokio runtime, entered before
+//! `DispatcherBuilder::start`.
+//!
 //! `sweep` (not in the default run) drains with several batch sizes and ack windows and prints
 //! the time per batch spent claiming, publishing and marking; it was used to pick the
 //! default `--batch 1000` (the ack window defaults to the library's 256).
@@ -83,6 +94,8 @@ struct Settings {
     quick: bool,
     batch: usize,
     window: usize,
+    /// `--own-runtime`: the in-process latency run's dispatcher runs on a runtime of its own.
+    own_runtime: bool,
 }
 
 /// A domain event of realistic size (about 200 bytes of JSON).
@@ -554,10 +567,14 @@ async fn produce_dual_write(
 /// The dispatcher's own small pool, as the README recommends: on the producers' pool its
 /// claims would queue behind their transactions.
 async fn dispatcher_pool(pg: &TestPg) -> Result<PgPool, BoxError> {
+    dispatcher_pool_on(&pg.name).await
+}
+
+async fn dispatcher_pool_on(db: &str) -> Result<PgPool, BoxError> {
     let options: sqlx::postgres::PgConnectOptions = trellis_outbox_tests::database_url().parse()?;
     Ok(sqlx::pool::PoolOptions::<Postgres>::new()
         .max_connections(4)
-        .connect_with(options.database(&pg.name))
+        .connect_with(options.database(db))
         .await?)
 }
 
@@ -716,8 +733,14 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
     let sub_client = async_nats::connect(trellis_outbox_tests::nats_url()).await?;
     println!(
         "latency: {count} events, one per transaction every {interval:?}; commit -> core NATS \
-         subscription; dispatcher batch_size {} ack_window {}",
-        settings.batch, settings.window
+         subscription; dispatcher batch_size {} ack_window {}{}",
+        settings.batch,
+        settings.window,
+        if settings.own_runtime {
+            "; in-process dispatcher on its own 1-worker runtime"
+        } else {
+            ""
+        }
     );
     *ROW_STEPS.lock().expect("not poisoned") = Some(Vec::new());
     let outcome = async {
@@ -743,7 +766,43 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
         let sub = sub_client.subscribe(subject.clone()).await?;
         sub_client.flush().await?;
         let receiver = tokio::spawn(receive(sub, count, seen.clone()));
-        let dispatcher = latency_dispatcher(&pg, &js, settings).await?.start()?;
+        let own = if settings.own_runtime {
+            Some(
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .thread_name("outbox-dispatcher")
+                    .enable_all()
+                    .build()?,
+            )
+        } else {
+            None
+        };
+        let dispatcher = match &own {
+            // Pool, NATS connection and task all on that runtime, so its worker drives
+            // their I/O instead of the producers' workers.
+            Some(runtime) => {
+                let db = pg.name.clone();
+                let builder = runtime
+                    .spawn(async move {
+                        let js = trellis_outbox_tests::nats::jetstream().await;
+                        Ok::<_, BoxError>(OutboxDispatcher::builder(
+                            Timed {
+                                inner: PgOutboxRepository::new(dispatcher_pool_on(&db).await?),
+                                stages: Arc::clone(&STAGES),
+                            },
+                            Timed {
+                                inner: publisher(&js, settings),
+                                stages: Arc::clone(&STAGES),
+                            },
+                        ))
+                    })
+                    .await??
+                    .batch_size(settings.batch);
+                let _entered = runtime.enter();
+                builder.start()?
+            }
+            None => latency_dispatcher(&pg, &js, settings).await?.start()?,
+        };
         let handle = dispatcher.handle();
         let notify = handle.clone();
         // Nobody LISTENs in this mode: the producer's outbox sends no NOTIFY.
@@ -754,6 +813,9 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
         .await?;
         wait_for(&seen, count).await;
         dispatcher.shutdown().await;
+        if let Some(runtime) = own {
+            runtime.shutdown_background();
+        }
         receiver.abort();
         let samples = latencies("inprocess", &sent, &seen.lock().expect("not poisoned"))?;
         let inprocess_p99 = percentile(&samples, 99.0);
@@ -1082,6 +1144,131 @@ impl<P: Publisher> Publisher for Timed<P> {
     }
 }
 
+/// One relay process's worth of `dispatch_outbox`: its own 4-connection pool and its own
+/// NATS connection.
+struct Relay {
+    repo: PgOutboxRepository,
+    publisher: JetStreamPublisher,
+}
+
+impl Relay {
+    async fn connect(pg: &TestPg, settings: Settings) -> Result<Self, BoxError> {
+        let js = trellis_outbox_tests::nats::jetstream().await;
+        Ok(Self {
+            repo: PgOutboxRepository::new(dispatcher_pool(pg).await?),
+            publisher: publisher(&js, settings),
+        })
+    }
+}
+
+/// Drains the loaded outbox with `relays` running `dispatch_outbox` at once; returns the
+/// rows/s of the whole drain (until the last of them found nothing more to claim).
+async fn scaled_drain(
+    pg: &TestPg,
+    stream: &BenchStream,
+    relays: &[Relay],
+    rows: u64,
+    settings: Settings,
+) -> Result<f64, BoxError> {
+    load(&pg.pool, &stream.subject("Orders.Shipped"), rows, 1_000).await?;
+    stream.purge().await?;
+    let start = Instant::now();
+    let reports = futures::future::join_all(relays.iter().map(|relay| {
+        dispatch_outbox(
+            &relay.repo,
+            &relay.publisher,
+            DispatchOptions::new().batch_size(settings.batch),
+        )
+    }))
+    .await;
+    let elapsed = start.elapsed();
+    let mut drained = 0;
+    let mut each = Vec::new();
+    for report in reports {
+        let report = report?;
+        drained += report.dispatched;
+        each.push(report.dispatched.to_string());
+    }
+    let in_stream = stream.count().await?;
+    let left = pending(&pg.pool).await?;
+    if drained != rows || in_stream != rows || left != 0 {
+        return Err(format!(
+            "{} relays: loaded {rows}, drained {drained}, stream holds {in_stream}, {left} rows not dispatched",
+            relays.len()
+        )
+        .into());
+    }
+    let rate = rows as f64 / elapsed.as_secs_f64();
+    println!(
+        "  {} relay(s) {rows} rows: {rate:>9.0} rows/s ({elapsed:.2?}; rows each: {})",
+        relays.len(),
+        each.join(", ")
+    );
+    Ok(rate)
+}
+
+/// `--dispatchers N[,M…]`: how the drain rate grows with N relays (each `dispatch_outbox`
+/// on its own pool and NATS connection, as separate relay processes would be) on one
+/// Postgres and one stream. Rounds alternate one relay and N relays on the same load;
+/// `relay_x{N}`: ours = N relays' rows/s, baseline = one relay's in the same round.
+async fn bench_scale(
+    settings: Settings,
+    counts: &[usize],
+    table: &mut Vec<TableRow>,
+) -> Result<(), BoxError> {
+    let (rounds, rows) = if settings.quick {
+        (3, 20_000)
+    } else {
+        (5, 100_000)
+    };
+    let pg = TestPg::new().await;
+    trellis_outbox::migrate(&pg.pool).await?;
+    let js = trellis_outbox_tests::nats::jetstream().await;
+    let stream = BenchStream::create(&js).await?;
+    println!(
+        "scale: {rounds} rounds of {rows} rows; 1 relay vs {counts:?} relays at once, each          dispatch_outbox batch_size {} ack_window {} on its own pool and NATS connection",
+        settings.batch, settings.window
+    );
+    let outcome = async {
+        let most = counts.iter().copied().max().unwrap_or(1);
+        let mut relays = Vec::with_capacity(most);
+        for _ in 0..most {
+            relays.push(Relay::connect(&pg, settings).await?);
+        }
+        for &n in counts {
+            let (mut ours, mut base) = (Vec::new(), Vec::new());
+            for round in 0..rounds {
+                for many in if round % 2 == 0 {
+                    [false, true]
+                } else {
+                    [true, false]
+                } {
+                    let take = if many { n } else { 1 };
+                    let rate = scaled_drain(&pg, &stream, &relays[..take], rows, settings).await?;
+                    if many {
+                        ours.push(rate);
+                    } else {
+                        base.push(rate);
+                    }
+                }
+            }
+            let ratio = median(ours.iter().zip(&base).map(|(o, b)| o / b).collect());
+            let (o, b) = (median(ours), median(base));
+            println!("BENCH name=relay_x{n} ours={o:.0} baseline={b:.0} ratio={ratio:.3}");
+            table.push((
+                format!("relay_x{n}"),
+                format!("{rows} rows: {n} relays {o:.0}/s vs 1 relay {b:.0}/s"),
+                format!("ratio {ratio:.2}"),
+            ));
+        }
+        Ok::<_, BoxError>(())
+    }
+    .await;
+    stream.delete().await;
+    pg.close().await;
+    outcome
+}
+
 /// Ours at several batch sizes and ack windows, with the naive relay between them for
 /// reference (to choose the defaults; not part of the default run).
 async fn sweep(settings: Settings) -> Result<(), BoxError> {
@@ -1175,6 +1362,16 @@ pub(crate) async fn main(args: &[String]) -> Result<(), BoxError> {
         quick: args.iter().any(|a| a == "--quick"),
         batch: arg_value(args, "--batch", 1000)?,
         window: arg_value(args, "--window", trellis_outbox::DEFAULT_ACK_WINDOW)?,
+        own_runtime: args.iter().any(|a| a == "--own-runtime"),
+    };
+    let dispatchers: Vec<usize> = match args.iter().position(|a| a == "--dispatchers") {
+        Some(i) => args
+            .get(i + 1)
+            .ok_or("--dispatchers needs a value, e.g. 2 or 2,4")?
+            .split(',')
+            .map(str::parse)
+            .collect::<Result<_, _>>()?,
+        None => Vec::new(),
     };
     let no_table = args.iter().any(|a| a == "--no-table");
     let mut which = Vec::new();
@@ -1182,7 +1379,7 @@ pub(crate) async fn main(args: &[String]) -> Result<(), BoxError> {
     for a in args {
         if skip {
             skip = false;
-        } else if a == "--batch" || a == "--window" {
+        } else if a == "--batch" || a == "--window" || a == "--dispatchers" {
             skip = true;
         } else if !a.starts_with("--") {
             which.push(a.as_str());
@@ -1191,6 +1388,10 @@ pub(crate) async fn main(args: &[String]) -> Result<(), BoxError> {
     let started = Instant::now();
     let mut table = Vec::new();
     match which.as_slice() {
+        [] | ["scale"] if !dispatchers.is_empty() => {
+            bench_scale(settings, &dispatchers, &mut table).await?;
+        }
+        ["scale"] => bench_scale(settings, &[2, 4], &mut table).await?,
         ["throughput"] => bench_throughput(settings, &mut table).await?,
         ["latency"] => bench_latency(settings, &mut table).await?,
         ["rss"] => bench_rss(settings, &mut table).await?,
@@ -1201,7 +1402,7 @@ pub(crate) async fn main(args: &[String]) -> Result<(), BoxError> {
             rss_in_child(settings, &mut table).await?;
         }
         other => {
-            eprintln!("unknown part {other:?}; available: throughput, latency, rss");
+            eprintln!("unknown part {other:?}; available: throughput, latency, rss, scale, sweep");
             std::process::exit(2);
         }
     }

@@ -9,9 +9,13 @@
 mod mark;
 mod publish;
 
+use std::pin::pin;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use futures_util::StreamExt as _;
+use futures_util::stream::FuturesUnordered;
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
@@ -79,9 +83,14 @@ pub async fn dispatch_outbox<R: OutboxRepository, P: Publisher>(
         cancel: None,
     };
     let mut wave = Wave::default();
-    engine.wave(&mut wave).await?;
+    engine.wave(&mut wave, None).await?;
     Ok(wave.report)
 }
+
+/// How many published batches may be marked at once while later ones are claimed and
+/// published. Each mark holds a connection; two cover one slow commit without letting
+/// marks pile up behind a stalled database.
+const MARKS_IN_FLIGHT: usize = 2;
 
 /// The state of one drain wave.
 #[derive(Debug, Default)]
@@ -152,40 +161,80 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
     /// Claims and handles batches until a claim comes back empty (or shutdown begins).
     ///
     /// When the repository [overlaps batches](OutboxRepository::overlaps_batches), batch
-    /// `n` is published while batch `n + 1` is claimed and batch `n - 1` is marked, so a
-    /// batch costs about as long as its slowest stage instead of the sum of all three.
-    pub(super) async fn wave(&self, wave: &mut Wave) -> Result<(), DispatchError> {
+    /// `n` is published while batch `n + 1` is claimed, and the marks of earlier batches run
+    /// beside both (up to [`MARKS_IN_FLIGHT`] of them): a batch costs about as long as the
+    /// slower of its claim and its publish, and a mark that waits for a slow commit holds
+    /// up neither the next claim nor the next publish. `wake` (the dispatcher's notify
+    /// channel) lets a notify that arrives while the last marks are still running start the
+    /// next claim at once instead of after them.
+    pub(super) async fn wave(
+        &self,
+        wave: &mut Wave,
+        mut wake: Option<&mut mpsc::Receiver<()>>,
+    ) -> Result<(), DispatchError> {
         if self.cancelled() {
             return Ok(());
         }
         let first = self.claim(wave.cutoff).await?;
         wave.cutoff = Some(first.claim.cutoff);
-        let overlap = self.repo.overlaps_batches();
         let mut current = Some(first).filter(|leased| !leased.claim.is_empty());
-        // The batch published last, waiting to be marked (overlapping only).
-        let mut unmarked: Option<Published> = None;
-        while let Some(leased) = current.take() {
-            if self.cancelled() {
-                if let Some(published) = unmarked.take() {
-                    self.mark_into(wave, published).await;
+        if !self.repo.overlaps_batches() {
+            while let Some(leased) = current.take() {
+                if self.cancelled() {
+                    self.release(&leased.claim).await;
+                    return Ok(());
                 }
-                self.release(&leased.claim).await;
-                return Ok(());
-            }
-            wave.claimed += leased.claim.len() as u64;
-            let span = tracing::debug_span!(
-                "outbox_batch",
-                rows = leased.claim.len(),
-                token = %leased.claim.token
-            );
-            if !overlap {
+                wave.claimed += leased.claim.len() as u64;
+                let span = batch_span(&leased.claim);
                 let published = self.publish(leased, span).await;
                 self.mark_into(wave, published).await;
                 if !self.cancelled() {
                     current = Some(self.claim(wave.cutoff).await?).filter(|l| !l.claim.is_empty());
                 }
-                continue;
             }
+            return Ok(());
+        }
+        // Published batches being marked, beside the claim and publish of the next ones.
+        let mut marks = FuturesUnordered::new();
+        let outcome = loop {
+            let Some(leased) = current.take() else {
+                // The last claim found nothing. A notify while earlier marks still run
+                // means rows were committed since that claim: claim again now.
+                let Some(wake) = wake.as_deref_mut().filter(|_| !marks.is_empty()) else {
+                    break Ok(());
+                };
+                let notified = tokio::select! {
+                    biased;
+                    Some(marked) = marks.next() => {
+                        wave.absorb(marked);
+                        false
+                    }
+                    Some(()) = wake.recv(), if !self.cancelled() => true,
+                    else => false,
+                };
+                if !notified {
+                    continue;
+                }
+                let mut claiming = pin!(self.claim(wave.cutoff));
+                let next = loop {
+                    tokio::select! {
+                        biased;
+                        out = &mut claiming => break out,
+                        Some(marked) = marks.next() => wave.absorb(marked),
+                    }
+                };
+                match next {
+                    Ok(next) => current = Some(next).filter(|l| !l.claim.is_empty()),
+                    Err(error) => break Err(error),
+                }
+                continue;
+            };
+            if self.cancelled() {
+                self.release(&leased.claim).await;
+                break Ok(());
+            }
+            wave.claimed += leased.claim.len() as u64;
+            let span = batch_span(&leased.claim);
             let cutoff = wave.cutoff;
             let claim_next = async {
                 if self.cancelled() {
@@ -194,35 +243,31 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                     Some(self.claim(cutoff).await)
                 }
             };
-            let previous = unmarked.take();
-            let mark_previous = async {
-                match previous {
-                    Some(published) => Some(self.mark(published).await),
-                    None => None,
+            let mut stages = pin!(async { tokio::join!(self.publish(leased, span), claim_next) });
+            let (published, next) = loop {
+                tokio::select! {
+                    biased;
+                    out = &mut stages => break out,
+                    Some(marked) = marks.next() => wave.absorb(marked),
                 }
             };
-            let (published, next, marked) =
-                tokio::join!(self.publish(leased, span), claim_next, mark_previous);
-            if let Some(marked) = marked {
-                wave.absorb(marked);
+            while marks.len() >= MARKS_IN_FLIGHT {
+                if let Some(marked) = marks.next().await {
+                    wave.absorb(marked);
+                }
             }
+            marks.push(self.mark(published));
             match next {
-                Some(Ok(next)) => {
-                    unmarked = Some(published);
-                    current = Some(next).filter(|l| !l.claim.is_empty());
-                }
-                Some(Err(error)) => {
-                    // Mark what was published before giving up on this wave.
-                    self.mark_into(wave, published).await;
-                    return Err(error);
-                }
-                None => unmarked = Some(published),
+                Some(Ok(next)) => current = Some(next).filter(|l| !l.claim.is_empty()),
+                // Marks still finish below before the wave gives up.
+                Some(Err(error)) => break Err(error),
+                None => {}
             }
+        };
+        while let Some(marked) = marks.next().await {
+            wave.absorb(marked);
         }
-        if let Some(published) = unmarked {
-            self.mark_into(wave, published).await;
-        }
-        Ok(())
+        outcome
     }
 
     /// Claims one batch.
@@ -264,6 +309,11 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             }),
         }
     }
+}
+
+/// The tracing span of one batch.
+fn batch_span(claim: &Claim) -> tracing::Span {
+    tracing::debug_span!("outbox_batch", rows = claim.len(), token = %claim.token)
 }
 
 /// `from + duration`, or about 30 years from `from` if that overflows.

@@ -93,8 +93,22 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
             }
             self.purge_if_due().await;
             self.report_backlog_if_due().await;
-            let retry_at = match claimed {
-                Some(claimed) => match self.next_due_in().await {
+            let due = match claimed {
+                Some(claimed) => {
+                    let repo = &self.repo;
+                    let due_in = next_due_in(repo);
+                    tokio::select! {
+                        biased;
+                        // Committed meanwhile: drain now (unless notifies are debounced);
+                        // the timer is armed after that drain.
+                        Some(()) = self.wake.recv(), if self.debounce.is_zero() => continue,
+                        due = due_in => Some((claimed, due)),
+                    }
+                }
+                None => None,
+            };
+            let retry_at = match due {
+                Some((claimed, due)) => match due {
                     Ok(None) => {
                         idle_due = 0;
                         None
@@ -174,16 +188,6 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
         report_error(self.on_error.as_deref(), error);
     }
 
-    async fn next_due_in(&self) -> Result<Option<Duration>, DispatchError> {
-        guarded("repository", async {
-            self.repo
-                .next_due_in()
-                .await
-                .map_err(DispatchError::repository("compute the next due time"))
-        })
-        .await
-    }
-
     /// Deletes old dispatched rows when the retention's time has come (after a drain, so a
     /// purge never delays one).
     async fn purge_if_due(&mut self) {
@@ -257,7 +261,7 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
                 retry_at: wave.retry_at.filter(|at| *at > Instant::now()),
                 ..Wave::default()
             };
-            engine.wave(&mut wave).await?;
+            engine.wave(&mut wave, Some(&mut self.wake)).await?;
             total.add(wave.report);
             claimed += wave.claimed;
             // One more pass if notified during this one.
@@ -312,6 +316,16 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
             }
         }
     }
+}
+
+/// When the earliest open row is due, as [`OutboxRepository::next_due_in`] says.
+async fn next_due_in(repo: &impl OutboxRepository) -> Result<Option<Duration>, DispatchError> {
+    guarded("repository", async {
+        repo.next_due_in()
+            .await
+            .map_err(DispatchError::repository("compute the next due time"))
+    })
+    .await
 }
 
 /// Runs `future`, turning a panic in it into [`DispatchError::Panicked`] naming `what`
