@@ -597,6 +597,9 @@ impl Publisher for TablePublisher {
         &self,
         messages: &[OutboxMessage],
     ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
+        // A slow broker on both sides of the write: a kill often finds a batch claimed but
+        // not yet published, whose keys' later rows must then wait for its lease to end.
+        tokio::time::sleep(Duration::from_millis(15)).await;
         let ids: Vec<&str> = messages.iter().map(|m| m.id.as_str()).collect();
         let stored = sqlx::query(
             "INSERT INTO published (id) SELECT id FROM UNNEST($1::text[]) WITH ORDINALITY AS t(id, i) ORDER BY i",
@@ -604,7 +607,7 @@ impl Publisher for TablePublisher {
         .bind(&ids)
         .execute(&self.pool)
         .await;
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(15)).await;
         messages
             .iter()
             .map(|_| match &stored {
@@ -672,6 +675,13 @@ async fn ordering_holds_across_a_killed_dispatcher() {
             .await
             .unwrap();
     assert!(dispatched < total, "the child must not have finished");
+    let leased: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM trellis_outbox WHERE state <> 'dispatched' AND claimed_until > now()",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    println!("killed with {dispatched} dispatched, {leased} leased");
 
     let survivor = OutboxDispatcher::builder(
         PgOutboxRepository::new(db.pool.clone()),
