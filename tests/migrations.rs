@@ -129,6 +129,35 @@ fn v4_is_pinned() {
     }
 }
 
+// Version 5: per-key ordering (issue #15). Checksums computed independently (Python).
+#[test]
+fn v5_is_pinned() {
+    for (dialect, checksum, statements) in [
+        (Dialect::Sqlite, "fnv1a64:889ae571c38b567a", 4),
+        (Dialect::Postgres, "fnv1a64:f4e56595a45db5fe", 9),
+    ] {
+        let all = migrations(dialect, &OutboxTables::default());
+        assert_eq!(all.len(), 5);
+        let v5 = &all[4];
+        assert_eq!(v5.id, format!("trellis_sql_outbox_inbox_{dialect}_v5"));
+        assert_eq!(v5.version, 5);
+        assert_eq!(v5.checksum, checksum, "{dialect}");
+        assert_eq!(v5.up.len(), statements, "{dialect}");
+        assert!(v5.up.contains(
+            &"CREATE INDEX IF NOT EXISTS trellis_outbox_ord_idx ON trellis_outbox (ordering_key, ordering_seq) \
+              WHERE ordering_key IS NOT NULL AND state <> 'dispatched'"
+                .to_owned()
+        ));
+    }
+    let pg = &migrations(Dialect::Postgres, &OutboxTables::default())[4];
+    assert_eq!(
+        pg.up[8],
+        "CREATE CONSTRAINT TRIGGER trellis_outbox_ord_trg AFTER INSERT ON trellis_outbox \
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.ordering_key IS NOT NULL) \
+         EXECUTE FUNCTION trellis_outbox_ord_fn()"
+    );
+}
+
 #[test]
 fn v1_sql_is_upstreams_text() {
     let m = &migrations(Dialect::Sqlite, &OutboxTables::default())[0];

@@ -799,3 +799,104 @@ async fn the_memory_repository_keeps_keys_in_order_with_both_policies() {
         }
     }
 }
+
+// ---- the derive ----
+
+#[derive(serde::Serialize, trellis_outbox::OutboxEvent)]
+#[outbox(
+    name = "Orders.Changed",
+    subject = "events.v1.Orders.Changed.{order_id}",
+    ordering = "skip_dead"
+)]
+struct OrderChanged {
+    #[outbox(ordering_key)]
+    order_id: u64,
+}
+
+#[derive(serde::Serialize, trellis_outbox::OutboxEvent)]
+#[outbox(name = "Orders.Noted", subject = "events.v1.Orders.Noted")]
+struct OrderNoted {
+    #[outbox(ordering_key)]
+    order_id: String,
+}
+
+#[derive(serde::Serialize, trellis_outbox::OutboxEvent)]
+#[outbox(name = "Orders.Seen", subject = "events.v1.Orders.Seen")]
+struct OrderSeen {
+    order_id: String,
+}
+
+#[test]
+fn the_derive_sets_the_ordering_key_and_policy() {
+    use trellis_outbox::{OrderingKey, ToOutboxRecord};
+    let record = OrderChanged { order_id: 42 }.to_outbox_record().unwrap();
+    assert_eq!(
+        record.ordering,
+        Some(OrderingKey::new("42").with_head_of_line(HeadOfLine::SkipDead))
+    );
+    let record = OrderNoted {
+        order_id: "o-1".into(),
+    }
+    .to_outbox_record()
+    .unwrap();
+    assert_eq!(record.ordering, Some(OrderingKey::new("o-1")));
+    let record = OrderSeen {
+        order_id: "o-1".into(),
+    }
+    .to_outbox_record()
+    .unwrap();
+    assert_eq!(record.ordering, None);
+}
+
+// ---- the operator's view: blocked keys ----
+
+#[tokio::test]
+async fn status_lists_keys_blocked_by_a_dead_head() {
+    let db = TestSqlite::new().await;
+    migrate(&db.pool).await.unwrap();
+    let ids = head_of_line_rows(&db.pool, HeadOfLine::Block).await;
+    let repo = SqliteOutboxRepository::new(db.pool.clone());
+    let publisher = RecordingPublisher::new();
+    publisher.fail_permanently(&ids["a0"], "rejected");
+    drain(&repo, &publisher).await;
+    let status = repo.status().await.unwrap();
+    assert_eq!(status.blocked_keys.len(), 1, "{status:?}");
+    let blocked = &status.blocked_keys[0];
+    assert_eq!(
+        (
+            blocked.key.as_str(),
+            blocked.head_id.as_str(),
+            blocked.waiting
+        ),
+        ("a", ids["a0"].as_str(), 2)
+    );
+    // The CLI prints it.
+    let url = format!("sqlite://{}", db.path.display());
+    let out = tokio::task::spawn_blocking(move || {
+        let mut out = Vec::new();
+        trellis_outbox::cli::run(
+            ["trellis-outbox", "--database-url", &url, "status"],
+            &mut out,
+        )
+        .map_err(|e| e.to_string())?;
+        String::from_utf8(out).map_err(|e| e.to_string())
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(
+        out.contains(&format!(
+            "blocked    key a behind dead {} (2 waiting)",
+            ids["a0"]
+        )),
+        "{out}"
+    );
+    // A dead head under skip_dead blocks nothing.
+    let db = TestSqlite::new().await;
+    migrate(&db.pool).await.unwrap();
+    let ids = head_of_line_rows(&db.pool, HeadOfLine::SkipDead).await;
+    let repo = SqliteOutboxRepository::new(db.pool.clone());
+    publisher.fail_permanently(&ids["a0"], "rejected");
+    drain(&repo, &publisher).await;
+    assert!(repo.status().await.unwrap().blocked_keys.is_empty());
+}

@@ -1236,7 +1236,11 @@ async fn timed_ordered_drain(
     let elapsed = start.elapsed();
     let in_stream = stream.count().await?;
     let left = pending(pool).await?;
-    let side = if keys.is_some() { "ordered" } else { "unordered" };
+    let side = if keys.is_some() {
+        "ordered"
+    } else {
+        "unordered"
+    };
     if drained != rows || in_stream != rows || left != 0 {
         return Err(format!(
             "{side}: loaded {rows}, drained {drained}, stream holds {in_stream}, {left} rows not dispatched"
@@ -1244,7 +1248,9 @@ async fn timed_ordered_drain(
         .into());
     }
     let rate = rows as f64 / elapsed.as_secs_f64();
-    println!("  {side} {rows} rows: {rate:>9.0} rows/s ({elapsed:.2?}, {calls} dispatch_outbox calls)");
+    println!(
+        "  {side} {rows} rows: {rate:>9.0} rows/s ({elapsed:.2?}, {calls} dispatch_outbox calls)"
+    );
     Ok(rate)
 }
 
@@ -1281,7 +1287,8 @@ async fn bench_ordered(
                 [Some(keys), None]
             };
             for side in sides {
-                let rate = timed_ordered_drain(&pg.pool, &js, &stream, rows, side, settings).await?;
+                let rate =
+                    timed_ordered_drain(&pg.pool, &js, &stream, rows, side, settings).await?;
                 match side {
                     Some(_) => ordered.push(rate),
                     None => unordered.push(rate),
