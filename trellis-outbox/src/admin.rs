@@ -33,7 +33,8 @@ pub struct OutboxStatus {
     pub oldest_undispatched: Option<Duration>,
     /// Ordering keys held by a dead head under [`HeadOfLine::Block`](crate::HeadOfLine::Block)
     /// (at most [`BLOCKED_KEYS_SHOWN`]), by key: each waits for an operator's retry of its
-    /// head.
+    /// head. Left out of the JSON form when empty.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub blocked_keys: Vec<BlockedKey>,
 }
 
