@@ -900,3 +900,32 @@ async fn status_lists_keys_blocked_by_a_dead_head() {
     drain(&repo, &publisher).await;
     assert!(repo.status().await.unwrap().blocked_keys.is_empty());
 }
+
+// ---- the NATS KV outbox refuses keyed records ----
+
+#[tokio::test]
+async fn the_kv_outbox_refuses_keyed_records() {
+    let js = jetstream().await;
+    let name = format!("trellis_t_{}", ulid::Ulid::generate().to_string().to_lowercase());
+    let outbox = trellis_outbox::NatsKvOutboxRepository::open(&js, &name)
+        .await
+        .unwrap();
+    let keyed_record = keyed("events.v1.Orders.Changed", "o-1", 0);
+    let refused = outbox.enqueue(&keyed_record).await;
+    let plain = outbox
+        .enqueue(
+            &PreparedOutboxRecord::event("Orders.Changed", "events.v1.Orders.Changed", &1)
+                .unwrap(),
+        )
+        .await;
+    let stored = outbox.get(&keyed_record.id).await;
+    let _ = js.delete_key_value(&name).await;
+    let err = refused.unwrap_err();
+    assert!(
+        matches!(&err, trellis_outbox::Error::InvalidRecord { field: "ordering key", .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("not supported by the NATS KV outbox"), "{err}");
+    assert!(plain.is_ok());
+    assert_eq!(stored.unwrap(), None, "nothing was written");
+}
