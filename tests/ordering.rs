@@ -891,6 +891,25 @@ async fn status_lists_keys_blocked_by_a_dead_head() {
         )),
         "{out}"
     );
+    // The same on Postgres.
+    let pg = TestPg::new().await;
+    migrate(&pg.pool).await.unwrap();
+    let pg_ids = head_of_line_rows(&pg.pool, HeadOfLine::Block).await;
+    let pg_repo = PgOutboxRepository::new(pg.pool.clone());
+    publisher.fail_permanently(&pg_ids["a0"], "rejected");
+    drain(&pg_repo, &publisher).await;
+    let blocked = pg_repo.blocked_keys(10).await.unwrap();
+    assert_eq!(blocked.len(), 1, "{blocked:?}");
+    assert_eq!(
+        (
+            blocked[0].key.as_str(),
+            blocked[0].head_id.as_str(),
+            blocked[0].waiting
+        ),
+        ("a", pg_ids["a0"].as_str(), 2)
+    );
+    pg.close().await;
+
     // A dead head under skip_dead blocks nothing.
     let db = TestSqlite::new().await;
     migrate(&db.pool).await.unwrap();
@@ -906,7 +925,10 @@ async fn status_lists_keys_blocked_by_a_dead_head() {
 #[tokio::test]
 async fn the_kv_outbox_refuses_keyed_records() {
     let js = jetstream().await;
-    let name = format!("trellis_t_{}", ulid::Ulid::generate().to_string().to_lowercase());
+    let name = format!(
+        "trellis_t_{}",
+        ulid::Ulid::generate().to_string().to_lowercase()
+    );
     let outbox = trellis_outbox::NatsKvOutboxRepository::open(&js, &name)
         .await
         .unwrap();
@@ -914,18 +936,27 @@ async fn the_kv_outbox_refuses_keyed_records() {
     let refused = outbox.enqueue(&keyed_record).await;
     let plain = outbox
         .enqueue(
-            &PreparedOutboxRecord::event("Orders.Changed", "events.v1.Orders.Changed", &1)
-                .unwrap(),
+            &PreparedOutboxRecord::event("Orders.Changed", "events.v1.Orders.Changed", &1).unwrap(),
         )
         .await;
     let stored = outbox.get(&keyed_record.id).await;
     let _ = js.delete_key_value(&name).await;
     let err = refused.unwrap_err();
     assert!(
-        matches!(&err, trellis_outbox::Error::InvalidRecord { field: "ordering key", .. }),
+        matches!(
+            &err,
+            trellis_outbox::Error::InvalidRecord {
+                field: "ordering key",
+                ..
+            }
+        ),
         "{err:?}"
     );
-    assert!(err.to_string().contains("not supported by the NATS KV outbox"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("not supported by the NATS KV outbox"),
+        "{err}"
+    );
     assert!(plain.is_ok());
     assert_eq!(stored.unwrap(), None, "nothing was written");
 }

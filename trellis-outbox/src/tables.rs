@@ -104,8 +104,9 @@ impl OutboxTables {
     ///
     /// Both must be simple identifiers (upstream's rule) and fit PostgreSQL's 63-byte
     /// identifier limit together with every identifier derived from them: `<outbox>_wakeup`,
-    /// `<outbox>_due_idx`, `<outbox>_claim_idx`, `<outbox>_done_idx` and `<inbox>_recv_idx`, so an
-    /// outbox name has at most 53 bytes and an inbox name at most 54.
+    /// `<outbox>_due_idx`, `<outbox>_claim_idx`, `<outbox>_done_idx`, version 5's
+    /// `<outbox>_ord_{idx,new,seq,fn,trg}` and `<inbox>_recv_idx`, so an outbox name has at most
+    /// 53 bytes and an inbox name at most 54.
     /// The limit applies on SQLite too, so a schema can move between the two.
     ///
     /// # Errors
