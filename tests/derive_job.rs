@@ -211,6 +211,7 @@ async fn enqueue_job_on_postgres() {
         subject,
         payload,
         headers,
+        ordering: None,
     };
     check_record(&record, &submission);
 
@@ -256,6 +257,7 @@ async fn enqueue_job_on_sqlite() {
         subject,
         payload,
         headers: serde_json::from_str(&headers).unwrap(),
+        ordering: None,
     };
     check_record(&record, &submission);
 

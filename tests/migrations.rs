@@ -84,7 +84,7 @@ fn v3_is_pinned() {
         (Dialect::Postgres, "fnv1a64:60a1bb47a8cb8d22"),
     ] {
         let all = migrations(dialect, &OutboxTables::default());
-        assert_eq!(all.len(), 4);
+        assert_eq!(all.len(), 5);
         let v3 = &all[2];
         assert_eq!(v3.id, format!("trellis_sql_outbox_inbox_{dialect}_v3"));
         assert_eq!(v3.version, 3);
@@ -127,6 +127,35 @@ fn v4_is_pinned() {
             ]
         );
     }
+}
+
+// Version 5: per-key ordering (issue #15). Checksums computed independently (Python).
+#[test]
+fn v5_is_pinned() {
+    for (dialect, checksum, statements) in [
+        (Dialect::Sqlite, "fnv1a64:889ae571c38b567a", 4),
+        (Dialect::Postgres, "fnv1a64:f4e56595a45db5fe", 9),
+    ] {
+        let all = migrations(dialect, &OutboxTables::default());
+        assert_eq!(all.len(), 5);
+        let v5 = &all[4];
+        assert_eq!(v5.id, format!("trellis_sql_outbox_inbox_{dialect}_v5"));
+        assert_eq!(v5.version, 5);
+        assert_eq!(v5.checksum, checksum, "{dialect}");
+        assert_eq!(v5.up.len(), statements, "{dialect}");
+        assert!(v5.up.contains(
+            &"CREATE INDEX IF NOT EXISTS trellis_outbox_ord_idx ON trellis_outbox (ordering_key, ordering_seq) \
+              WHERE ordering_key IS NOT NULL AND state <> 'dispatched'"
+                .to_owned()
+        ));
+    }
+    let pg = &migrations(Dialect::Postgres, &OutboxTables::default())[4];
+    assert_eq!(
+        pg.up[8],
+        "CREATE CONSTRAINT TRIGGER trellis_outbox_ord_trg AFTER INSERT ON trellis_outbox \
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.ordering_key IS NOT NULL) \
+         EXECUTE FUNCTION trellis_outbox_ord_fn()"
+    );
 }
 
 #[test]
@@ -221,8 +250,8 @@ fn script_is_pasteable() {
     ));
     assert_eq!(
         sql.matches(";\n").count(),
-        13,
-        "SQLite: 3 statements in v1 and v2, 5 in v3, 2 in v4"
+        17,
+        "SQLite: 3 statements in v1 and v2, 5 in v3, 2 in v4, 4 in v5"
     );
 }
 
@@ -253,7 +282,8 @@ async fn pg_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_postgres_v1",
             "trellis_sql_outbox_inbox_postgres_v2",
             "trellis_sql_outbox_inbox_postgres_v3",
-            "trellis_sql_outbox_inbox_postgres_v4"
+            "trellis_sql_outbox_inbox_postgres_v4",
+            "trellis_sql_outbox_inbox_postgres_v5"
         ]
     );
     assert!(first.already_applied.is_empty());
@@ -287,7 +317,8 @@ async fn pg_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_postgres_v1",
             "trellis_sql_outbox_inbox_postgres_v2",
             "trellis_sql_outbox_inbox_postgres_v3",
-            "trellis_sql_outbox_inbox_postgres_v4"
+            "trellis_sql_outbox_inbox_postgres_v4",
+            "trellis_sql_outbox_inbox_postgres_v5"
         ]
     );
     let (id, checksum): (String, String) = sqlx::query_as(
@@ -311,7 +342,8 @@ async fn sqlite_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_sqlite_v1",
             "trellis_sql_outbox_inbox_sqlite_v2",
             "trellis_sql_outbox_inbox_sqlite_v3",
-            "trellis_sql_outbox_inbox_sqlite_v4"
+            "trellis_sql_outbox_inbox_sqlite_v4",
+            "trellis_sql_outbox_inbox_sqlite_v5"
         ]
     );
     for table in [
@@ -333,7 +365,8 @@ async fn sqlite_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_sqlite_v1",
             "trellis_sql_outbox_inbox_sqlite_v2",
             "trellis_sql_outbox_inbox_sqlite_v3",
-            "trellis_sql_outbox_inbox_sqlite_v4"
+            "trellis_sql_outbox_inbox_sqlite_v4",
+            "trellis_sql_outbox_inbox_sqlite_v5"
         ]
     );
 }
@@ -389,12 +422,12 @@ async fn pg_concurrent_migrations_apply_once() {
     let db = TestPg::new().await;
     let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
     let applied: usize = reports.into_iter().map(|r| r.unwrap().applied.len()).sum();
-    assert_eq!(applied, 4, "each version applied by exactly one caller");
+    assert_eq!(applied, 5, "each version applied by exactly one caller");
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox_migrations")
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    assert_eq!(rows, 4, "one bookkeeping row per version");
+    assert_eq!(rows, 5, "one bookkeeping row per version");
     db.close().await;
 }
 
@@ -403,19 +436,19 @@ async fn sqlite_concurrent_migrations_apply_once() {
     let db = TestSqlite::new().await;
     let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
     let applied: usize = reports.into_iter().map(|r| r.unwrap().applied.len()).sum();
-    assert_eq!(applied, 4, "each version applied by exactly one caller");
+    assert_eq!(applied, 5, "each version applied by exactly one caller");
 }
 
 #[tokio::test]
 async fn pg_custom_tables_are_separate_and_default_ones_untouched() {
     let db = TestPg::new().await;
     let report = migrate_with(&db.pool, &service_tables()).await.unwrap();
-    assert_eq!(report.applied.len(), 4);
+    assert_eq!(report.applied.len(), 5);
     assert!(pg_table_exists(&db.pool, "service_outbox").await);
     assert!(pg_table_exists(&db.pool, "service_inbox").await);
     assert!(!pg_table_exists(&db.pool, "trellis_outbox").await);
     // The default tables are migrated independently in the same database.
-    assert_eq!(migrate(&db.pool).await.unwrap().applied.len(), 4);
+    assert_eq!(migrate(&db.pool).await.unwrap().applied.len(), 5);
     assert!(pg_table_exists(&db.pool, "trellis_outbox").await);
     db.close().await;
 }
@@ -442,7 +475,8 @@ async fn sqlite_adopts_a_table_created_by_trellis_ts() {
             "trellis_sql_outbox_inbox_sqlite_v1",
             "trellis_sql_outbox_inbox_sqlite_v2",
             "trellis_sql_outbox_inbox_sqlite_v3",
-            "trellis_sql_outbox_inbox_sqlite_v4"
+            "trellis_sql_outbox_inbox_sqlite_v4",
+            "trellis_sql_outbox_inbox_sqlite_v5"
         ]
     );
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox")
@@ -482,7 +516,7 @@ where
     }
     let report = migrate(pool).await.unwrap();
     assert!(report.upgraded_from_0_10);
-    assert_eq!(report.applied.len(), 4);
+    assert_eq!(report.applied.len(), 5);
     let again = migrate(pool).await.unwrap();
     assert!(!again.upgraded_from_0_10 && again.applied.is_empty());
 

@@ -2,8 +2,8 @@
 //! baselines measured side by side in one run (issue 5, "Benchmark").
 //!
 //! ```text
-//! cargo run --release --example bench -- relay [throughput|latency|rss|sweep|scale] [--quick] [--batch N] [--window N]
-//!     [--dispatchers N[,M…]] [--own-runtime]
+//! cargo run --release --example bench -- relay [throughput|latency|rss|sweep|scale|ordered] [--quick] [--batch N] [--window N]
+//!     [--dispatchers N[,M…]] [--own-runtime] [--keys N]
 //! ```
 //!
 //! Needs Postgres at `DATABASE_URL` (a fresh database is created and dropped) and a NATS
@@ -55,6 +55,10 @@
 //!    4-connection pool and NATS connection, like separate relay processes) on one Postgres
 //!    and one stream, alternating rounds. `BENCH name=relay_x{N}`: ours = N relays' rows/s,
 //!    baseline = one relay's rows/s in the same run. `scale` alone means 2 and 4.
+//!
+//! 5. **Ordered** (`--keys N` or `ordered`, not in the default run): the same rows drained
+//!    with `N` ordering keys (drawn at random per row) and without, alternating; `BENCH
+//!    name=relay_ordered` compares ordered with unordered rows/s (target ratio 0.7).
 //!
 //! `--own-runtime` runs the in-process latency mode's dispatcher (with its pool and NATS
 //! connection) on a separate one-worker tokio runtime, entered before
@@ -1343,6 +1347,155 @@ async fn rss_in_child(settings: Settings, table: &mut Vec<TableRow>) -> Result<(
     Ok(())
 }
 
+/// Loads `rows` pending events untimed like [`load`]; with `keys`, each event gets one of
+/// `keys` ordering keys drawn at random (seeded: both sides of a round see the same mix).
+async fn load_keyed(
+    pool: &PgPool,
+    subject: &str,
+    rows: u64,
+    keys: Option<u64>,
+) -> Result<(), BoxError> {
+    use rand::{RngExt, SeedableRng};
+    sqlx::raw_sql("TRUNCATE trellis_outbox")
+        .execute(pool)
+        .await?;
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(15);
+    let mut n = 0;
+    while n < rows {
+        let take = (rows - n).min(1_000);
+        let mut records = Vec::with_capacity(take as usize);
+        for i in n..n + take {
+            let key = rng.random_range(0..keys.unwrap_or(1).max(1));
+            let record = PreparedOutboxRecord::event(NAME, subject, &event(i))?;
+            records.push(match keys {
+                Some(_) => record.ordered_by(format!("order-{key}")),
+                None => record,
+            });
+        }
+        let mut tx = pool.begin().await?;
+        tx.enqueue_all(records).await?;
+        tx.commit().await?;
+        n += take;
+    }
+    sqlx::raw_sql("ANALYZE trellis_outbox")
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+/// Loads `rows` (keyed or not), purges the stream, and times `dispatch_outbox` called until
+/// no row is left: one call drains an unordered outbox; with ordering keys a call can end
+/// while rows wait behind heads that were in flight, and the next call takes them (the
+/// dispatcher does the same by itself). Returns rows/s.
+async fn timed_ordered_drain(
+    pool: &PgPool,
+    js: &Context,
+    stream: &BenchStream,
+    rows: u64,
+    keys: Option<u64>,
+    settings: Settings,
+) -> Result<f64, BoxError> {
+    let subject = stream.subject("Orders.Shipped");
+    load_keyed(pool, &subject, rows, keys).await?;
+    stream.purge().await?;
+    let repo = PgOutboxRepository::new(pool.clone());
+    let publisher = publisher(js, settings);
+    let options = DispatchOptions::new().batch_size(settings.batch);
+    let start = Instant::now();
+    let (mut drained, mut calls) = (0, 0);
+    loop {
+        let report = dispatch_outbox(&repo, &publisher, options.clone()).await?;
+        calls += 1;
+        if report.failed + report.dead > 0 {
+            return Err(format!("dispatch_outbox reported {report:?}").into());
+        }
+        drained += report.dispatched;
+        if report.dispatched == 0 {
+            break;
+        }
+    }
+    let elapsed = start.elapsed();
+    let in_stream = stream.count().await?;
+    let left = pending(pool).await?;
+    let side = if keys.is_some() {
+        "ordered"
+    } else {
+        "unordered"
+    };
+    if drained != rows || in_stream != rows || left != 0 {
+        return Err(format!(
+            "{side}: loaded {rows}, drained {drained}, stream holds {in_stream}, {left} rows not dispatched"
+        )
+        .into());
+    }
+    let rate = rows as f64 / elapsed.as_secs_f64();
+    println!(
+        "  {side} {rows} rows: {rate:>9.0} rows/s ({elapsed:.2?}, {calls} dispatch_outbox calls)"
+    );
+    Ok(rate)
+}
+
+/// `--keys N`: per-key ordering (issue #15). Rounds alternate the order of the sides; each
+/// drains the same rows, once with `N` ordering keys drawn at random and once without, with
+/// the same batch size and ack window. `BENCH name=relay_ordered ours=<ordered rows/s>
+/// baseline=<unordered rows/s>` (target ratio >= 0.7).
+async fn bench_ordered(
+    settings: Settings,
+    keys: u64,
+    table: &mut Vec<TableRow>,
+) -> Result<(), BoxError> {
+    let (rounds, rows) = if settings.quick {
+        (3, 20_000)
+    } else {
+        (5, 100_000)
+    };
+    let pg = TestPg::new().await;
+    trellis_outbox::migrate(&pg.pool).await?;
+    let js = trellis_outbox_tests::nats::jetstream().await;
+    let stream = BenchStream::create(&js).await?;
+    println!(
+        "ordered: {rounds} rounds of {rows} rows, {keys} ordering keys vs none; \
+         dispatch_outbox batch_size {} ack_window {}; file-backed stream {}",
+        settings.batch, settings.window, stream.name
+    );
+    let outcome = async {
+        let (mut ordered, mut unordered) = (Vec::new(), Vec::new());
+        for round in 0..rounds {
+            println!(" round {}", round + 1);
+            let sides = if round % 2 == 1 {
+                [None, Some(keys)]
+            } else {
+                [Some(keys), None]
+            };
+            for side in sides {
+                let rate =
+                    timed_ordered_drain(&pg.pool, &js, &stream, rows, side, settings).await?;
+                match side {
+                    Some(_) => ordered.push(rate),
+                    None => unordered.push(rate),
+                }
+            }
+        }
+        Ok::<_, BoxError>((ordered, unordered))
+    }
+    .await;
+    stream.delete().await;
+    pg.close().await;
+    let (ordered, unordered) = outcome?;
+    let ratio = median(ordered.iter().zip(&unordered).map(|(o, u)| o / u).collect());
+    let (o, u) = (median(ordered), median(unordered));
+    println!("BENCH name=relay_ordered ours={o:.0} baseline={u:.0} ratio={ratio:.3}");
+    table.push((
+        "relay_ordered".to_owned(),
+        format!("{rows} rows, {keys} ordering keys: unordered {u:.0}/s, ordered {o:.0}/s"),
+        format!(
+            "ratio {ratio:.2} (target >= 0.7) {}",
+            if ratio >= 0.7 { "met" } else { "MISSED" }
+        ),
+    ));
+    Ok(())
+}
+
 fn arg_value(args: &[String], name: &str, default: usize) -> Result<usize, BoxError> {
     match args.iter().position(|a| a == name) {
         Some(i) => Ok(args
@@ -1374,12 +1527,16 @@ pub(crate) async fn main(args: &[String]) -> Result<(), BoxError> {
         None => Vec::new(),
     };
     let no_table = args.iter().any(|a| a == "--no-table");
+    let keys = match arg_value(args, "--keys", 0)? {
+        0 => None,
+        keys => Some(keys as u64),
+    };
     let mut which = Vec::new();
     let mut skip = false;
     for a in args {
         if skip {
             skip = false;
-        } else if a == "--batch" || a == "--window" || a == "--dispatchers" {
+        } else if a == "--batch" || a == "--window" || a == "--dispatchers" || a == "--keys" {
             skip = true;
         } else if !a.starts_with("--") {
             which.push(a.as_str());
@@ -1396,13 +1553,18 @@ pub(crate) async fn main(args: &[String]) -> Result<(), BoxError> {
         ["latency"] => bench_latency(settings, &mut table).await?,
         ["rss"] => bench_rss(settings, &mut table).await?,
         ["sweep"] => sweep(settings).await?,
+        ["ordered"] | [] if keys.is_some() || which.first() == Some(&"ordered") => {
+            bench_ordered(settings, keys.unwrap_or(1_000), &mut table).await?;
+        }
         [] => {
             bench_throughput(settings, &mut table).await?;
             bench_latency(settings, &mut table).await?;
             rss_in_child(settings, &mut table).await?;
         }
         other => {
-            eprintln!("unknown part {other:?}; available: throughput, latency, rss, scale, sweep");
+            eprintln!(
+                "unknown part {other:?}; available: throughput, latency, rss, scale, ordered, sweep"
+            );
             std::process::exit(2);
         }
     }

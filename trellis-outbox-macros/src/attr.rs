@@ -61,6 +61,9 @@ pub(crate) struct EventInput {
     pub(crate) subject: Option<StrLit>,
     /// `api = "orders@v1"`: the Trellis API the event belongs to (its descriptor identity).
     pub(crate) api: Option<StrLit>,
+    /// `ordering = "block" | "skip_dead"`: what a dead head of an ordering key does to the
+    /// rows after it (needs an `#[outbox(ordering_key)]` field).
+    pub(crate) ordering: Option<StrLit>,
     /// `crate = "path"`.
     #[darling(rename = "crate")]
     pub(crate) krate: Option<StrLit>,
@@ -74,6 +77,9 @@ pub(crate) struct EventField {
     pub(crate) ty: Type,
     /// `#[outbox(id)]`: this field's value is the record id.
     pub(crate) id: Flag,
+    /// `#[outbox(ordering_key)]`: events with the same value of this field are published
+    /// in commit order.
+    pub(crate) ordering_key: Flag,
 }
 
 /// `#[outbox_job(...)]` arguments.

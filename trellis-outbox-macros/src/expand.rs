@@ -121,6 +121,8 @@ fn event_impls(event: &Event) -> TokenStream {
         template,
         subject,
         id_field,
+        ordering_field,
+        skip_dead,
         descriptor,
     } = event;
     let private = quote!(#krate::__private);
@@ -132,6 +134,7 @@ fn event_impls(event: &Event) -> TokenStream {
             SubjectPart::Literal(_) => None,
         })
         .chain(id_field)
+        .chain(ordering_field)
         .collect();
     let bounded = bounded(generics, |clause| {
         clause
@@ -158,6 +161,20 @@ fn event_impls(event: &Event) -> TokenStream {
         };
         quote! {
             fn event_id(&self) -> #private::core::option::Option<#private::String> {
+                #private::core::option::Option::Some(#value)
+            }
+        }
+    });
+    let ordering_key = ordering_field.as_ref().map(|field| {
+        let FieldRef {
+            ident: field_ident,
+            ty,
+        } = field;
+        let value = quote_spanned! {at(ty.span())=>
+            #private::ordering_key(&self.#field_ident, #skip_dead)
+        };
+        quote! {
+            fn ordering_key(&self) -> #private::core::option::Option<#private::OrderingKey> {
                 #private::core::option::Option::Some(#value)
             }
         }
@@ -205,6 +222,7 @@ fn event_impls(event: &Event) -> TokenStream {
                 }
 
                 #event_id
+                #ordering_key
             }
 
             #[automatically_derived]

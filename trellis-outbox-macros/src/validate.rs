@@ -19,6 +19,10 @@ pub(crate) struct Event {
     pub(crate) template: String,
     pub(crate) subject: Vec<SubjectPart>,
     pub(crate) id_field: Option<FieldRef>,
+    /// The `#[outbox(ordering_key)]` field, if any.
+    pub(crate) ordering_field: Option<FieldRef>,
+    /// `ordering = "skip_dead"` (default `block`).
+    pub(crate) skip_dead: bool,
     /// The `Trellis-Event-Descriptor` identity, with `api = "…"`.
     pub(crate) descriptor: Option<String>,
 }
@@ -191,6 +195,58 @@ pub(crate) fn event(input: &DeriveInput) -> darling::Result<Event> {
         }
     }
 
+    let mut ordering_field: Option<FieldRef> = None;
+    for field in &fields {
+        if !field.ordering_key.is_present() {
+            continue;
+        }
+        let Some(ident) = &field.ident else { continue };
+        match &ordering_field {
+            None => {
+                ordering_field = Some(FieldRef {
+                    ident: ident.clone(),
+                    ty: field.ty.clone(),
+                });
+            }
+            Some(first) => errors.push(
+                darling::Error::custom(format!(
+                    "`#[outbox(ordering_key)]` is already on field `{}`; an event has one ordering key",
+                    first.ident
+                ))
+                .with_span(&field.ordering_key.span()),
+            ),
+        }
+    }
+    let skip_dead = match &parsed.ordering {
+        None => false,
+        Some(lit) => {
+            let skip_dead = match lit.value().as_str() {
+                "block" => false,
+                "skip_dead" => true,
+                other => {
+                    errors.push(
+                        darling::Error::custom(format!(
+                            "unknown `ordering` policy {other:?}; expected \"block\" (a dead head \
+                             holds its key until retried) or \"skip_dead\" (later rows pass it)"
+                        ))
+                        .with_span(&lit.0),
+                    );
+                    false
+                }
+            };
+            if ordering_field.is_none() && shape.is_none() {
+                errors.push(
+                    darling::Error::custom(
+                        "`ordering = \"...\"` needs a field marked `#[outbox(ordering_key)]` \
+                         (the key events are published in order by)",
+                    )
+                    .with_span(&lit.0),
+                );
+            }
+            skip_dead
+        }
+    };
+
     let descriptor = parsed.api.as_ref().and_then(|api| {
         let placeholders = subject
             .iter()
@@ -214,6 +270,8 @@ pub(crate) fn event(input: &DeriveInput) -> darling::Result<Event> {
         template,
         subject,
         id_field,
+        ordering_field,
+        skip_dead,
         descriptor,
     })
 }

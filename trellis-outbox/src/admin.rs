@@ -10,7 +10,8 @@ use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, OutboxMessageState};
 use crate::sql_repository::SqlOutboxRepository;
 
-/// How an outbox stands: rows per state and how long the oldest undispatched row has waited.
+/// How an outbox stands: rows per state, how long the oldest undispatched row has waited, and
+/// the ordering keys blocked by a dead head.
 ///
 /// ```
 /// use std::collections::BTreeMap;
@@ -30,6 +31,33 @@ pub struct OutboxStatus {
     /// since it was enqueued, on the database's clock: the outbox's lag.
     #[serde(with = "seconds")]
     pub oldest_undispatched: Option<Duration>,
+    /// Ordering keys held by a dead head under [`HeadOfLine::Block`](crate::HeadOfLine::Block)
+    /// (at most [`BLOCKED_KEYS_SHOWN`]), by key: each waits for an operator's retry of its
+    /// head. Left out of the JSON form when empty.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub blocked_keys: Vec<BlockedKey>,
+}
+
+/// How many blocked keys [`SqlOutboxRepository::status`] reports at most.
+pub const BLOCKED_KEYS_SHOWN: usize = 100;
+
+/// An ordering key whose head (its earliest undispatched row) is `dead` under the `block`
+/// policy: nothing behind it is published until the head is retried.
+///
+/// ```
+/// use trellis_outbox::OutboxStatus;
+///
+/// assert!(OutboxStatus::default().blocked_keys.is_empty());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct BlockedKey {
+    /// The ordering key.
+    pub key: String,
+    /// The id of the dead head (retry it to unblock the key).
+    pub head_id: String,
+    /// Undispatched rows of the key behind the head.
+    pub waiting: u64,
 }
 
 /// `Option<Duration>` as fractional seconds in JSON.
@@ -67,7 +95,8 @@ impl OutboxStatus {
 }
 
 impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
-    /// Rows per state and the lag (one `GROUP BY` over the table).
+    /// Rows per state and the lag (one `GROUP BY` over the table), and when there are dead
+    /// rows, the blocked ordering keys ([`blocked_keys`](Self::blocked_keys)).
     ///
     /// # Errors
     ///
@@ -86,7 +115,32 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
             }
             *status.counts.entry(state).or_default() += u64::try_from(count).unwrap_or(0);
         }
+        if status.count("dead") > 0 {
+            status.blocked_keys = self.blocked_keys(BLOCKED_KEYS_SHOWN).await?;
+        }
         Ok(status)
+    }
+
+    /// Up to `limit` ordering keys held by a dead head under
+    /// [`HeadOfLine::Block`](crate::HeadOfLine::Block), by key.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Repository`] if the query fails.
+    pub async fn blocked_keys(&self, limit: usize) -> Result<Vec<BlockedKey>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows =
+            DB::fetch_counted_pairs(self.pool(), &self.statements().text.blocked_keys, limit)
+                .await
+                .map_err(Error::repository("blocked keys"))?;
+        Ok(rows
+            .into_iter()
+            .map(|(waiting, key, head_id)| BlockedKey {
+                key,
+                head_id,
+                waiting: u64::try_from(waiting).unwrap_or(0),
+            })
+            .collect())
     }
 
     /// Up to `limit` rows in `state` (of event name or queue `name`, if given), oldest

@@ -107,6 +107,10 @@ pub enum Error {
     )]
     UnknownState(String),
 
+    /// A string is not one of the head-of-line policies.
+    #[error("unknown head-of-line policy {0:?} (expected block or skip_dead)")]
+    UnknownHeadOfLine(String),
+
     /// A value could not be serialized to JSON.
     #[error("failed to serialize {what} to JSON")]
     Serialize {

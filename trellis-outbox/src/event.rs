@@ -131,6 +131,8 @@ pub const TRACESTATE: &str = "tracestate";
 /// | `subject = "..."` | struct, required | the subject template; `{field}` tokens are replaced by the field's escaped `Display` output |
 /// | `crate = "path"` | struct | path to `trellis_outbox` when it is re-exported |
 /// | `id` | one field | use the field's `Display` output as the record id instead of a new ULID; namespace it per event type (see above) |
+/// | `ordering_key` | one field | publish events with the same field value (its `Display` output) in commit order (see [`OrderingKey`](crate::OrderingKey)) |
+/// | `ordering = "block" \| "skip_dead"` | struct, with an `ordering_key` field | what a dead head of a key does to the rows after it (default `block`; see [`HeadOfLine`](crate::HeadOfLine)) |
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not an outbox event",
     note = "derive it with `#[derive(serde::Serialize, trellis_outbox::OutboxEvent)]` and `#[outbox(name = \"...\", subject = \"...\")]`"
@@ -154,6 +156,15 @@ pub trait OutboxEvent {
     /// The record id to use, or `None` for a new ULID (the default). Derived from the field
     /// marked `#[outbox(id)]`, if any.
     fn event_id(&self) -> Option<String> {
+        None
+    }
+
+    /// The key this event is published in order with, or `None` (the default): unordered.
+    /// Derived from the field marked `#[outbox(ordering_key)]` (its `Display` output) with
+    /// the policy of `#[outbox(ordering = "block" | "skip_dead")]`. See [`OrderingKey`].
+    ///
+    /// [`OrderingKey`]: crate::OrderingKey
+    fn ordering_key(&self) -> Option<crate::record::OrderingKey> {
         None
     }
 
@@ -193,6 +204,7 @@ pub trait OutboxEvent {
             subject: self.subject(),
             payload,
             headers,
+            ordering: self.ordering_key(),
         })
     }
 }

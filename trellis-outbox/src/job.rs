@@ -227,6 +227,7 @@ fn prepare<J: OutboxJob + ?Sized>(job: &J) -> Result<(PreparedOutboxRecord, JobS
         subject: format!("{}.{job_id}.created", J::SUBJECT_PREFIX),
         payload,
         headers,
+        ordering: None,
     };
     let submission = JobSubmission {
         submission_id,

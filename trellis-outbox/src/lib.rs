@@ -99,7 +99,7 @@ mod time;
 mod wire;
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-pub use crate::admin::OutboxStatus;
+pub use crate::admin::{BLOCKED_KEYS_SHOWN, BlockedKey, OutboxStatus};
 #[cfg(feature = "nats")]
 pub use crate::consumer::{
     ConsumeFailure, Consumer, ConsumerBuilder, ConsumerError, ConsumerHandle, ConsumerReport,
@@ -145,8 +145,9 @@ pub use crate::participant::{
 #[cfg(feature = "postgres")]
 pub use crate::postgres::{PgOutboxRepository, PgWakeups};
 pub use crate::record::{
-    InboxReceipt, NATS_MSG_ID, OutboxMessage, OutboxMessageState, OutboxRecordKind,
-    PreparedOutboxRecord, TRELLIS_EVENT_TIME, ToOutboxRecord, new_id,
+    HeadOfLine, InboxReceipt, MAX_ORDERING_KEY_BYTES, NATS_MSG_ID, OrderingKey, OutboxMessage,
+    OutboxMessageState, OutboxRecordKind, PreparedOutboxRecord, TRELLIS_EVENT_TIME, ToOutboxRecord,
+    new_id,
 };
 pub use crate::sql::SqlStatements;
 pub use crate::sql_repository::SqlOutboxRepository;
@@ -175,7 +176,7 @@ pub mod __private {
     pub use crate::error::Result;
     pub use crate::event::OutboxEvent;
     pub use crate::job::{JobMode, OutboxJob};
-    pub use crate::record::{PreparedOutboxRecord, ToOutboxRecord};
+    pub use crate::record::{HeadOfLine, OrderingKey, PreparedOutboxRecord, ToOutboxRecord};
     pub use ::serde::Serialize;
     pub use ::std::string::String;
 
@@ -191,6 +192,20 @@ pub mod __private {
         let mut id = String::new();
         let _ = ::core::fmt::Write::write_fmt(&mut id, format_args!("{value}"));
         id
+    }
+
+    /// The ordering key of an event from its `#[outbox(ordering_key)]` field.
+    #[inline]
+    pub fn ordering_key<T: ::core::fmt::Display + ?Sized>(
+        value: &T,
+        skip_dead: bool,
+    ) -> OrderingKey {
+        let policy = if skip_dead {
+            HeadOfLine::SkipDead
+        } else {
+            HeadOfLine::Block
+        };
+        OrderingKey::new(event_id(value)).with_head_of_line(policy)
     }
 
     /// `ToOutboxRecord` for a derived event.

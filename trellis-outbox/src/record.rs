@@ -174,7 +174,112 @@ with_record_content! {
     /// # Ok::<(), trellis_outbox::Error>(())
     /// ```
     #[derive(Debug, Clone, PartialEq, Eq)]
-    pub struct PreparedOutboxRecord {}
+    pub struct PreparedOutboxRecord {
+        /// The key this record is published in order with, if any (see [`OrderingKey`]):
+        /// records of one key reach the stream in commit order; records without a key are
+        /// unordered. Set with [`PreparedOutboxRecord::ordered_by`] or
+        /// `#[outbox(ordering_key = field)]`.
+        pub ordering: Option<OrderingKey>,
+    }
+}
+
+/// What the dispatcher does with the later rows of an ordering key whose head (its oldest
+/// undispatched row) has been given up on (`dead`).
+///
+/// ```
+/// use trellis_outbox::HeadOfLine;
+///
+/// assert_eq!(HeadOfLine::default(), HeadOfLine::Block);
+/// assert_eq!("skip_dead".parse::<HeadOfLine>()?, HeadOfLine::SkipDead);
+/// assert_eq!(HeadOfLine::Block.to_string(), "block");
+/// # Ok::<(), trellis_outbox::Error>(())
+/// ```
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum HeadOfLine {
+    /// The key waits: nothing after a dead head is published until an operator retries it
+    /// (`OutboxRepository::retry`, `trellis-outbox retry`). `trellis-outbox status` lists
+    /// blocked keys. The default: order is never broken silently.
+    #[default]
+    Block,
+    /// A dead head no longer holds the key back: the rows after it are published, and the
+    /// dead row stays for inspection (retrying it later publishes it out of order).
+    SkipDead,
+}
+
+wire_strings! {
+    HeadOfLine, unknown: Error::UnknownHeadOfLine,
+    /// The policy's name: `block` or `skip_dead`.
+    Block => "block",
+    SkipDead => "skip_dead",
+}
+
+/// The longest ordering key accepted, in bytes.
+pub const MAX_ORDERING_KEY_BYTES: usize = 1024;
+
+/// The ordering key of a record and what happens when its key's head fails permanently.
+///
+/// Rows with the same key are published strictly in the order their transactions committed;
+/// the dispatcher never publishes a row while an earlier row of its key is pending, failed,
+/// in flight, or `dead` under [`HeadOfLine::Block`].
+///
+/// ```
+/// use trellis_outbox::{HeadOfLine, OrderingKey, PreparedOutboxRecord};
+///
+/// let record = PreparedOutboxRecord::event("Orders.Placed", "events.v1.Orders.Placed", &1)?
+///     .ordered_by("order-42");
+/// assert_eq!(record.ordering, Some(OrderingKey::new("order-42")));
+///
+/// let skipping = record.with_head_of_line(HeadOfLine::SkipDead);
+/// assert_eq!(skipping.ordering.unwrap().head_of_line, HeadOfLine::SkipDead);
+/// # Ok::<(), trellis_outbox::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct OrderingKey {
+    /// The key, e.g. an aggregate id. Not empty, no control characters, at most
+    /// [`MAX_ORDERING_KEY_BYTES`] bytes.
+    pub key: String,
+    /// The policy when the key's head is dead.
+    pub head_of_line: HeadOfLine,
+}
+
+impl OrderingKey {
+    /// `key` with the default policy, [`HeadOfLine::Block`].
+    pub fn new(key: impl Into<String>) -> Self {
+        Self {
+            key: key.into(),
+            head_of_line: HeadOfLine::Block,
+        }
+    }
+
+    /// `self` with `policy`.
+    #[must_use]
+    pub fn with_head_of_line(mut self, policy: HeadOfLine) -> Self {
+        self.head_of_line = policy;
+        self
+    }
+
+    /// Whether a dead head of this key lets later rows through (the stored flag).
+    pub(crate) fn skip_dead(&self) -> bool {
+        self.head_of_line == HeadOfLine::SkipDead
+    }
+
+    /// What is wrong with the key, if anything.
+    fn problem(&self) -> Option<&'static str> {
+        if self.key.is_empty() {
+            Some("is empty")
+        } else if self.key.len() > MAX_ORDERING_KEY_BYTES {
+            Some("is longer than 1024 bytes")
+        } else if self.key.chars().any(char::is_control) {
+            Some("contains control characters")
+        } else {
+            None
+        }
+    }
 }
 
 impl PreparedOutboxRecord {
@@ -209,7 +314,56 @@ impl PreparedOutboxRecord {
             subject: subject.into(),
             payload,
             headers,
+            ordering: None,
         })
+    }
+
+    /// `self` published in order with every other record of `key` (see [`OrderingKey`]),
+    /// keeping its head-of-line policy if it had a key already ([`HeadOfLine::Block`] if not).
+    ///
+    /// ```
+    /// use trellis_outbox::PreparedOutboxRecord;
+    ///
+    /// let record = PreparedOutboxRecord::event("Orders.Placed", "events.v1.Orders.Placed", &1)?
+    ///     .ordered_by("order-42");
+    /// assert_eq!(record.ordering.unwrap().key, "order-42");
+    /// # Ok::<(), trellis_outbox::Error>(())
+    /// ```
+    #[must_use]
+    pub fn ordered_by(mut self, key: impl Into<String>) -> Self {
+        let policy = self
+            .ordering
+            .as_ref()
+            .map_or(HeadOfLine::Block, |o| o.head_of_line);
+        self.ordering = Some(OrderingKey::new(key).with_head_of_line(policy));
+        self
+    }
+
+    /// `self` with `policy` for its ordering key; no effect on a record without a key.
+    ///
+    /// ```
+    /// use trellis_outbox::{HeadOfLine, PreparedOutboxRecord};
+    ///
+    /// let record = PreparedOutboxRecord::event("Orders.Placed", "events.v1.Orders.Placed", &1)?
+    ///     .ordered_by("order-42")
+    ///     .with_head_of_line(HeadOfLine::SkipDead);
+    /// assert_eq!(record.ordering.unwrap().head_of_line, HeadOfLine::SkipDead);
+    /// # Ok::<(), trellis_outbox::Error>(())
+    /// ```
+    #[must_use]
+    pub fn with_head_of_line(mut self, policy: HeadOfLine) -> Self {
+        if let Some(ordering) = &mut self.ordering {
+            ordering.head_of_line = policy;
+        }
+        self
+    }
+
+    /// The record's ordering key and whether a dead head lets later rows through, as stored.
+    pub(crate) fn ordering_columns(&self) -> (Option<&str>, Option<bool>) {
+        match &self.ordering {
+            Some(o) => (Some(o.key.as_str()), Some(o.skip_dead())),
+            None => (None, None),
+        }
     }
 
     /// Checks the record before any SQL is sent.
@@ -274,6 +428,9 @@ impl PreparedOutboxRecord {
                 return Err(Error::invalid_record(id, "headers", problem));
             }
         }
+        if let Some(problem) = self.ordering.as_ref().and_then(OrderingKey::problem) {
+            return Err(Error::invalid_record(id, "ordering key", problem));
+        }
         Ok(())
     }
 }
@@ -303,6 +460,7 @@ with_record_content! {
 impl OutboxMessage {
     /// A freshly enqueued row built from `record`, as it is inserted.
     pub(crate) fn pending(record: PreparedOutboxRecord, now: DateTime<Utc>) -> Self {
+        // The ordering key is storage, not content: a message carries none.
         Self {
             id: record.id,
             kind: record.kind,

@@ -15,6 +15,43 @@ use crate::tables::{Dialect, OutboxTables};
 /// `claimed`, whose claim ends at `next_attempt_at`.
 pub(crate) const OPEN_STATES: &str = "'pending', 'failed', 'claimed'";
 
+/// The claim's head test: a keyed row is claimable only if no row of its
+/// key with a lower `ordering_seq` is still undispatched, unless that row is `dead` and its
+/// policy is `skip_dead`. `{o}` is the claim's own reference to the candidate row; read
+/// through `<outbox>_ord_idx`. A keyed row without a sequence (written by a writer
+/// without the trigger) is unordered.
+pub(crate) fn head_test(o: &str, candidate: &str) -> String {
+    format!(
+        "({candidate}.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {o} AS ahead \
+         WHERE ahead.ordering_key = {candidate}.ordering_key \
+         AND ahead.ordering_seq < {candidate}.ordering_seq \
+         AND ahead.state <> 'dispatched' \
+         AND (ahead.state <> 'dead' OR ahead.ordering_skip_dead IS NOT TRUE)))"
+    )
+}
+
+/// The keys whose head is dead under the `block` policy ($1/?1 = limit, written by each
+/// dialect as `limit`): `(rows waiting behind it, key, head id)`.
+pub(crate) fn blocked_keys(o: &str, limit: &str) -> String {
+    format!(
+        "SELECT (SELECT count(*) FROM {o} AS w WHERE w.ordering_key = d.ordering_key \
+         AND w.ordering_seq > d.ordering_seq AND w.state <> 'dispatched') AS waiting, \
+         d.ordering_key, d.id FROM {o} AS d \
+         WHERE d.ordering_key IS NOT NULL AND d.state = 'dead' AND d.ordering_skip_dead IS NOT TRUE \
+         AND {head} ORDER BY d.ordering_key LIMIT {limit}",
+        head = head_test(o, "d"),
+    )
+}
+
+/// The version 5 index the head test reads: the undispatched rows of each key in sequence
+/// order.
+pub(crate) fn ordering_index(o: &str) -> String {
+    format!(
+        "CREATE INDEX IF NOT EXISTS {o}_ord_idx ON {o} (ordering_key, ordering_seq) \
+         WHERE ordering_key IS NOT NULL AND state <> 'dispatched'"
+    )
+}
+
 pub(crate) const COLUMNS: &str = "id, kind, name, subject, payload, headers, state, attempts, created_at, updated_at, next_attempt_at, last_error, outcome";
 
 /// The SQL trellis-outbox sends for one dialect and table set.
@@ -66,6 +103,10 @@ macro_rules! texts {
 texts! {
     /// One row; on Postgres also notifies ($14 = channel, NULL for none).
     enqueue,
+    /// `enqueue` of a record with an ordering key: also writes `ordering_key` and
+    /// `ordering_skip_dead` (Postgres $15, $16; SQLite ?14, ?15) and on SQLite numbers the row.
+    /// Records without a key use `enqueue`, upstream's statement.
+    enqueue_ordered,
     /// One stored row by id, [`COLUMNS`] in order.
     select_by_id,
     inbox_insert,
@@ -98,6 +139,9 @@ texts! {
     list,
     /// Moves every `dead` row (of a name, or NULL for all) back to `pending`, due now.
     retry_dead,
+    /// Keys held by a dead head under the `block` policy (limit): rows waiting behind it,
+    /// the key, the head's id; by key.
+    blocked_keys,
 }
 
 impl SqlStatements {
@@ -199,6 +243,9 @@ pub(crate) struct Schema {
     pub(crate) checks: fn(&str) -> Ddl,
     /// The `next_attempt_at` of a `dead` row from version 3 on: never due.
     pub(crate) never: &'static str,
+    /// Version 5: per-key ordering (the columns, the index the claim's head test reads, and
+    /// on Postgres the trigger that numbers a key's rows in commit order).
+    pub(crate) ordering: fn(&str) -> Ddl,
 }
 
 impl Schema {
@@ -218,6 +265,7 @@ impl Schema {
             self.v2(o),
             self.v3(o),
             Ddl::v4(tables),
+            (self.ordering)(o),
         ]
     }
 

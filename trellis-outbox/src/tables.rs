@@ -85,7 +85,18 @@ impl OutboxTables {
 
     /// The suffixes of identifiers derived from the outbox table name: the `NOTIFY` channel
     /// and the indexes. Keep in sync with `migrate.rs` and `sql.rs`.
-    const OUTBOX_SUFFIXES: [&'static str; 4] = ["_wakeup", "_due_idx", "_claim_idx", "_done_idx"];
+    /// (Version 5's `_ord_*` names are shorter than `_claim_idx`: they change no limit.)
+    const OUTBOX_SUFFIXES: [&'static str; 9] = [
+        "_wakeup",
+        "_due_idx",
+        "_claim_idx",
+        "_done_idx",
+        "_ord_idx",
+        "_ord_new",
+        "_ord_seq",
+        "_ord_fn",
+        "_ord_trg",
+    ];
     /// The suffix of the index derived from the inbox table name.
     const INBOX_SUFFIX: &'static str = "_recv_idx";
 
@@ -93,8 +104,9 @@ impl OutboxTables {
     ///
     /// Both must be simple identifiers (upstream's rule) and fit PostgreSQL's 63-byte
     /// identifier limit together with every identifier derived from them: `<outbox>_wakeup`,
-    /// `<outbox>_due_idx`, `<outbox>_claim_idx`, `<outbox>_done_idx` and `<inbox>_recv_idx`, so an
-    /// outbox name has at most 53 bytes and an inbox name at most 54.
+    /// `<outbox>_due_idx`, `<outbox>_claim_idx`, `<outbox>_done_idx`, version 5's
+    /// `<outbox>_ord_{idx,new,seq,fn,trg}` and `<inbox>_recv_idx`, so an outbox name has at most
+    /// 53 bytes and an inbox name at most 54.
     /// The limit applies on SQLite too, so a schema can move between the two.
     ///
     /// # Errors

@@ -141,6 +141,14 @@ async fn on<DB: OutboxDatabase>(
                     Some(age) => writeln!(out, "lag        {}", seconds(age))?,
                     None => writeln!(out, "lag        none")?,
                 }
+                // Keys whose dead head holds them (policy `block`): retry the head.
+                for blocked in &status.blocked_keys {
+                    writeln!(
+                        out,
+                        "blocked    key {} behind dead {} ({} waiting)",
+                        blocked.key, blocked.head_id, blocked.waiting
+                    )?;
+                }
             }
         }
         Command::List {

@@ -33,7 +33,10 @@ use crate::metrics;
 /// themselves; [`OutboxDispatcher`] runs the same code.
 ///
 /// Rows that fail during this call are not retried within it (they are due again after the
-/// retry policy's delay). Publish failures do not make this function fail: they are counted
+/// retry policy's delay). With ordering keys on a repository that
+/// [overlaps batches](OutboxRepository::overlaps_batches), the call can end while rows wait
+/// behind their keys' heads that were in flight during its last claim: call it again until it
+/// dispatches nothing (the dispatcher does so by itself). Publish failures do not make this function fail: they are counted
 /// in the report and logged with `tracing`.
 ///
 /// # Errors

@@ -1,6 +1,6 @@
 //! An in-memory [`OutboxRepository`] for tests and examples.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -11,11 +11,14 @@ use crate::dispatch::repository::{
     RetryOutcome,
 };
 use crate::error::Result;
-use crate::record::{OutboxMessage, OutboxMessageState, ToOutboxRecord, new_id};
+use crate::record::{
+    HeadOfLine, OrderingKey, OutboxMessage, OutboxMessageState, ToOutboxRecord, new_id,
+};
 use crate::time::add_saturating;
 
 /// An [`OutboxRepository`] that keeps rows in memory, with the same leases, fencing tokens,
-/// ordering and due rules as the SQL repositories. Meant for users' tests and examples;
+/// ordering (including per-key ordering: [`OrderingKey`]) and due rules as the SQL
+/// repositories. Meant for users' tests and examples;
 /// nothing is persisted.
 ///
 /// # Clock
@@ -63,6 +66,9 @@ struct Row {
     claim_token: Option<String>,
     /// Set for rows stored with [`MemoryOutboxRepository::enqueue_undecodable`].
     poison: Option<String>,
+    /// The record's ordering key: rows are kept in insertion order, which is commit order
+    /// here (each enqueue is atomic), so a key's rows are ordered by their place in `rows`.
+    ordering: Option<OrderingKey>,
 }
 
 impl Row {
@@ -83,6 +89,19 @@ impl Row {
         match (self.message.next_attempt_at, self.claimed_until) {
             (Some(a), Some(b)) => Some(a.max(b)),
             (a, b) => a.or(b),
+        }
+    }
+
+    /// Whether this row holds back the later rows of its key: it is not dispatched, and
+    /// not a dead row whose policy lets them pass.
+    fn holds_key(&self) -> bool {
+        match self.message.state {
+            OutboxMessageState::Dispatched => false,
+            OutboxMessageState::Dead => self
+                .ordering
+                .as_ref()
+                .is_none_or(|o| o.head_of_line != HeadOfLine::SkipDead),
+            _ => true,
         }
     }
 
@@ -184,6 +203,7 @@ impl MemoryOutboxRepository {
         if let Some(&i) = inner.index.get(&record.id) {
             return Ok(inner.rows[i].message.clone());
         }
+        let ordering = record.ordering.clone();
         let message = OutboxMessage::pending(record, now);
         let i = inner.rows.len();
         inner.index.insert(message.id.clone(), i);
@@ -192,6 +212,7 @@ impl MemoryOutboxRepository {
             claimed_until: None,
             claim_token: None,
             poison,
+            ordering,
         });
         Ok(message)
     }
@@ -272,17 +293,25 @@ impl OutboxRepository for MemoryOutboxRepository {
         let cutoff = request.cutoff.unwrap_or(now);
         let token = new_id();
         let mut inner = self.lock();
-        let mut due: Vec<usize> = inner
-            .rows
-            .iter()
-            .enumerate()
-            .filter(|(_, row)| {
-                row.is_open()
-                    && row.message.next_attempt_at.is_none_or(|at| at <= cutoff)
-                    && row.claimed_until.is_none_or(|until| until <= now)
-            })
-            .map(|(i, _)| i)
-            .collect();
+        // The keys with an earlier row still holding them back: only a key's head is due.
+        let mut held: HashSet<&str> = HashSet::new();
+        let mut due: Vec<usize> = Vec::new();
+        for (i, row) in inner.rows.iter().enumerate() {
+            let key = row.ordering.as_ref().map(|o| o.key.as_str());
+            let behind = key.is_some_and(|key| held.contains(key));
+            if !behind
+                && row.is_open()
+                && row.message.next_attempt_at.is_none_or(|at| at <= cutoff)
+                && row.claimed_until.is_none_or(|until| until <= now)
+            {
+                due.push(i);
+            }
+            if let Some(key) = key
+                && row.holds_key()
+            {
+                held.insert(key);
+            }
+        }
         due.sort_by(|&a, &b| {
             let (a, b) = (&inner.rows[a].message, &inner.rows[b].message);
             (a.created_at, &a.id).cmp(&(b.created_at, &b.id))
@@ -375,7 +404,19 @@ impl OutboxRepository for MemoryOutboxRepository {
         let now = self.now();
         let inner = self.lock();
         let mut earliest: Option<Duration> = None;
-        for row in inner.rows.iter().filter(|r| r.is_open()) {
+        // As in the claim: a row behind its key's head is not due.
+        let mut held: HashSet<&str> = HashSet::new();
+        for row in &inner.rows {
+            let key = row.ordering.as_ref().map(|o| o.key.as_str());
+            let behind = key.is_some_and(|key| held.contains(key));
+            if let Some(key) = key
+                && row.holds_key()
+            {
+                held.insert(key);
+            }
+            if behind || !row.is_open() {
+                continue;
+            }
             let wait = match row.claimable_at() {
                 Some(at) if at > now => (at - now).to_std().unwrap_or(Duration::MAX),
                 _ => Duration::ZERO,

@@ -129,6 +129,15 @@ queries! {
         query.fetch_all(pool).await
     }
 
+    /// Runs `sql` binding a limit; rows of `(count, text, text)`.
+    fn fetch_counted_pairs<'a>(
+        pool: &'a Pool<Self>,
+        sql: &'a Arc<str>,
+        limit: i64,
+    ) -> sqlx::Result<Vec<(i64, String, String)>> {
+        sqlx::query_as(statement(sql)).bind(limit).fetch_all(pool).await
+    }
+
     /// Runs `sql` binding `value` (NULL for none); the rows it changed.
     fn execute_one<'a>(
         pool: &'a Pool<Self>,

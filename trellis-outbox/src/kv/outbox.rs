@@ -135,10 +135,20 @@ impl NatsKvOutboxRepository {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidRecord`] before anything is written; [`Error::Kv`] if the bucket fails.
+    /// [`Error::InvalidRecord`] before anything is written, also for a record with an
+    /// ordering key: a KV bucket has no commit order across keys to number them by, so this
+    /// repository refuses keyed records rather than publish them unordered (use Postgres or
+    /// SQLite for per-key ordering). [`Error::Kv`] if the bucket fails.
     pub async fn enqueue(&self, record: &impl ToOutboxRecord) -> Result<OutboxMessage> {
         let record = record.to_outbox_record()?;
         record.validate()?;
+        if record.ordering.is_some() {
+            return Err(Error::invalid_record(
+                &record.id,
+                "ordering key",
+                "is not supported by the NATS KV outbox (use the Postgres or SQLite outbox)",
+            ));
+        }
         let key = key_of(&record.id);
         let message = OutboxMessage::pending(record.clone(), now_millis());
         let value = KvRecord::from_message(&message).to_bytes()?;

@@ -131,6 +131,7 @@ mod tests {
                 .iter()
                 .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
                 .collect::<BTreeMap<_, _>>(),
+            ordering: None,
         };
         OutboxMessage::pending(record, chrono::Utc::now())
     }

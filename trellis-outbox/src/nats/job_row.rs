@@ -188,6 +188,7 @@ pub(super) mod tests {
                 (REQUEST_ID.to_owned(), "01REQ".to_owned()),
                 (TRACEPARENT.to_owned(), TP.to_owned()),
             ]),
+            ordering: None,
         };
         let created = DateTime::from_timestamp_millis(1_779_667_200_123).unwrap();
         OutboxMessage::pending(record, created)

@@ -42,8 +42,13 @@ impl Backend for Postgres {
     }
 
     async fn insert_row(on: &mut Enqueue<'_, Self>, record: &PreparedOutboxRecord) -> Result<bool> {
-        // The statement answers a row only when it inserted one.
-        let inserted = bind_content(sqlx::query(statement(&on.sql.text.enqueue)), record)
+        // The statement answers a row only when it inserted one. A record without an
+        // ordering key is written with upstream's statement.
+        let text = match record.ordering {
+            Some(_) => &on.sql.text.enqueue_ordered,
+            None => &on.sql.text.enqueue,
+        };
+        let mut query = bind_content(sqlx::query(statement(text)), record)
             .bind(Json(&record.headers))
             .bind("pending")
             .bind(0_i32)
@@ -52,7 +57,12 @@ impl Backend for Postgres {
             .bind(None::<DateTime<Utc>>)
             .bind(None::<String>)
             .bind(None::<Json<serde_json::Value>>)
-            .bind(on.sql.notify_bind())
+            .bind(on.sql.notify_bind());
+        if record.ordering.is_some() {
+            let (key, skip_dead) = record.ordering_columns();
+            query = query.bind(key).bind(skip_dead);
+        }
+        let inserted = query
             .fetch_optional(&mut *on.conn)
             .await
             .map_err(Error::enqueue(&record.id))?;
@@ -68,7 +78,12 @@ impl Backend for Postgres {
         for chunk in records.chunks(BATCH_ROWS) {
             let mut columns: [Vec<&str>; 5] = Default::default();
             let mut headers = Vec::with_capacity(chunk.len());
+            let mut keys = Vec::with_capacity(chunk.len());
+            let mut skip_dead = Vec::with_capacity(chunk.len());
             for r in chunk {
+                let (key, skip) = r.ordering_columns();
+                keys.push(key);
+                skip_dead.push(skip);
                 columns[0].push(&r.id);
                 columns[1].push(r.kind.as_str());
                 columns[2].push(&r.name);
@@ -86,6 +101,8 @@ impl Backend for Postgres {
                 .bind(headers)
                 .bind(on.now)
                 .bind(on.sql.notify_bind())
+                .bind(keys)
+                .bind(skip_dead)
                 .fetch_one(&mut *on.conn)
                 .await
                 .map_err(Error::enqueue(first_id(chunk)))?;

@@ -16,7 +16,78 @@ pub(crate) const SCHEMA: Schema = Schema {
     storage: Some(storage),
     checks,
     never: super::sql::NEVER,
+    ordering,
 };
+
+/// Version 5: per-key ordering. Three nullable columns (upstream Trellis' writer sets none,
+/// so its rows stay unordered), the index the claim's head test reads, and a sequence
+/// number per keyed row taken **at commit**:
+///
+/// A deferred constraint trigger fires for each keyed row just before its transaction
+/// commits. It takes a transaction-level advisory lock on the row's key and then numbers the
+/// row from `<outbox>_ord_seq`. The lock is held from that moment to the commit, so the
+/// next transaction with the same key can take its number only after this one has committed
+/// (or rolled back): within a key, number order is commit order. Same-key writers wait for
+/// each other only for the few statements between pre-commit and commit, not for their
+/// whole transactions.
+///
+/// A transaction with rows of several keys locks all of its keys in one global order (by
+/// hash) on the first firing, so two such transactions cannot deadlock on each other's
+/// keys. (After `SET CONSTRAINTS … IMMEDIATE` the trigger fires per statement and a later
+/// statement's keys are locked as they come, which can deadlock; Postgres then aborts one.)
+/// The hash's 32 bits may give two keys the same lock: they then serialise their commits,
+/// nothing worse. Until the trigger fires a row's `ordering_seq` is NULL, but no other
+/// transaction can see the row before its commit anyway.
+fn ordering(o: &str) -> Ddl {
+    let add = "ADD COLUMN IF NOT EXISTS";
+    Ddl {
+        up: vec![
+            format!("ALTER TABLE {o} {add} ordering_key text"),
+            format!("ALTER TABLE {o} {add} ordering_seq bigint"),
+            format!("ALTER TABLE {o} {add} ordering_skip_dead boolean"),
+            format!("CREATE SEQUENCE IF NOT EXISTS {o}_ord_seq"),
+            crate::sql::ordering_index(o),
+            // The rows still to number (this transaction's own: committed rows are numbered).
+            format!(
+                "CREATE INDEX IF NOT EXISTS {o}_ord_new ON {o} (ordering_key) \
+                 WHERE ordering_key IS NOT NULL AND ordering_seq IS NULL"
+            ),
+            format!(
+                "CREATE OR REPLACE FUNCTION {o}_ord_fn() RETURNS trigger LANGUAGE plpgsql AS $fn$ \
+                 DECLARE k int4; \
+                 BEGIN \
+                 IF current_setting('trellis_outbox.ordering_{o}', true) IS DISTINCT FROM 'locked' THEN \
+                 FOR k IN SELECT DISTINCT hashtext(ordering_key) FROM {o} \
+                 WHERE ordering_key IS NOT NULL AND ordering_seq IS NULL ORDER BY 1 LOOP \
+                 PERFORM pg_advisory_xact_lock(hashtext('{o}'), k); \
+                 END LOOP; \
+                 PERFORM set_config('trellis_outbox.ordering_{o}', 'locked', true); \
+                 END IF; \
+                 PERFORM pg_advisory_xact_lock(hashtext('{o}'), hashtext(NEW.ordering_key)); \
+                 UPDATE {o} SET ordering_seq = nextval('{o}_ord_seq') \
+                 WHERE id = NEW.id AND ordering_seq IS NULL; \
+                 RETURN NULL; \
+                 END $fn$"
+            ),
+            format!("DROP TRIGGER IF EXISTS {o}_ord_trg ON {o}"),
+            format!(
+                "CREATE CONSTRAINT TRIGGER {o}_ord_trg AFTER INSERT ON {o} \
+                 DEFERRABLE INITIALLY DEFERRED FOR EACH ROW \
+                 WHEN (NEW.ordering_key IS NOT NULL) EXECUTE FUNCTION {o}_ord_fn()"
+            ),
+        ],
+        down: vec![
+            format!("DROP TRIGGER IF EXISTS {o}_ord_trg ON {o}"),
+            format!("DROP FUNCTION IF EXISTS {o}_ord_fn()"),
+            format!("DROP INDEX IF EXISTS {o}_ord_new"),
+            format!("DROP INDEX IF EXISTS {o}_ord_idx"),
+            format!("DROP SEQUENCE IF EXISTS {o}_ord_seq"),
+            format!("ALTER TABLE {o} DROP COLUMN IF EXISTS ordering_skip_dead"),
+            format!("ALTER TABLE {o} DROP COLUMN IF EXISTS ordering_seq"),
+            format!("ALTER TABLE {o} DROP COLUMN IF EXISTS ordering_key"),
+        ],
+    }
+}
 
 /// Version 2's storage parameters: a fillfactor of 50 for HOT lease updates and autovacuum
 /// after every 10,000 dead rows (not 20 % of a table that only grows). The storage parameter

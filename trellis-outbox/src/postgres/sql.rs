@@ -24,6 +24,13 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
              SELECT CASE WHEN $14::text IS NOT NULL THEN pg_notify($14, '')::text END FROM inserted"
         )
         .into(),
+        // `ordering_seq` is set at commit by `<outbox>_ord_trg` (schema version 5).
+        enqueue_ordered: format!(
+            "WITH inserted AS (INSERT INTO {o} ({COLUMNS}, ordering_key, ordering_skip_dead) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $15, $16) ON CONFLICT (id) DO NOTHING RETURNING 1) \
+             SELECT CASE WHEN $14::text IS NOT NULL THEN pg_notify($14, '')::text END FROM inserted"
+        )
+        .into(),
         select_by_id: format!("SELECT {COLUMNS} FROM {o} WHERE id = $1").into(),
         inbox_insert: format!(
             "INSERT INTO {i} (message_id, received_at) VALUES ($1, $2) ON CONFLICT (message_id) DO NOTHING"
@@ -126,6 +133,7 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
              ORDER BY created_at, id LIMIT $3"
         )
         .into(),
+        blocked_keys: crate::sql::blocked_keys(o, "$1").into(),
         retry_dead: format!(
             "UPDATE {o} SET state = 'pending', attempts = 0, updated_at = now(), \
              next_attempt_at = NULL, claimed_until = NULL, claim_token = NULL \
@@ -134,11 +142,14 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
         .into(),
         // Clamped to [now, now + 100 years]: an infinite time (written by another
         // writer) cannot be subtracted from now() and would fail every call.
+        // Only the heads of ordering keys count: a row behind its key's head is not due
+        // until the head is dispatched (a key blocked by a dead head is never due).
         next_due_in: format!(
             "SELECT CASE WHEN at IS NOT NULL THEN EXTRACT(EPOCH FROM \
              (LEAST(GREATEST(at, now()), now() + interval '100 years') - now()))::float8 END \
              FROM (SELECT min(GREATEST(COALESCE(next_attempt_at, now()), COALESCE(claimed_until, now()))) AS at \
-             FROM {o} WHERE state IN ({OPEN_STATES})) AS due"
+             FROM {o} WHERE state IN ({OPEN_STATES}) AND {head}) AS due",
+            head = crate::sql::head_test(o, o),
         )
         .into(),
     }
@@ -155,7 +166,10 @@ pub struct PgOnly {
     ///
     /// `WHERE id = ANY(ARRAY(SELECT id …))`: the `ARRAY(…)` form makes the planner update the
     /// claimed rows through the primary key, where `id IN (SELECT …)` may become a hash join
-    /// over a full scan of the table. The claim commits with `synchronous_commit = off`, for
+    /// over a full scan of the table. A keyed row is claimed only when it is its key's head
+    /// ([`head_test`](crate::sql::head_test)), so one claim never holds two rows of a key, and
+    /// the next row of a key becomes claimable only once the previous one is dispatched (or
+    /// dead under `skip_dead`). The claim commits with `synchronous_commit = off`, for
     /// that transaction only: a lease is bookkeeping, and losing one in a server crash only
     /// makes its rows claimable again, so the claim need not wait for the WAL flush.
     pub(crate) claim: std::sync::Arc<str>,
@@ -165,6 +179,8 @@ pub struct PgOnly {
 impl PgOnly {
     pub(crate) fn new(tables: &OutboxTables) -> Self {
         let o = tables.outbox();
+        // Only the heads of ordering keys (see `head_test`).
+        let head = crate::sql::head_test(o, o);
         Self {
             claim: format!(
                 "UPDATE {o} SET claimed_until = now() + make_interval(secs => $2), claim_token = $3, \
@@ -175,6 +191,7 @@ impl PgOnly {
                  WHERE state IN ({OPEN_STATES}) \
                  AND (next_attempt_at IS NULL OR next_attempt_at <= COALESCE($4, now())) \
                  AND (claimed_until IS NULL OR claimed_until <= now()) \
+                 AND {head} \
                  ORDER BY created_at, id LIMIT $1 FOR UPDATE SKIP LOCKED)) \
                  AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL \
                  RETURNING {COLUMNS}, COALESCE($4, now()) AS claim_cutoff"
@@ -185,15 +202,17 @@ impl PgOnly {
 }
 
 /// The batch enqueue: $1–$6 the records' id, kind, name, subject, payload and headers as
-/// arrays, $7 the time, $8 the notify channel (NULL: none). Returns the inserted count.
+/// arrays, $7 the time, $8 the notify channel (NULL: none), $9 and $10 the ordering keys
+/// and `skip_dead` flags (NULL for unordered records). Returns the inserted count.
 #[cfg(feature = "postgres")]
 pub(crate) fn insert_batch(sql: &SqlStatements) -> String {
     let o = &*sql.outbox_table;
     format!(
-        "WITH inserted AS (INSERT INTO {o} ({COLUMNS}) \
-         SELECT t.id, t.kind, t.name, t.subject, t.payload, t.headers::jsonb, 'pending', 0, $7, $7, NULL, NULL, NULL \
-         FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[]) \
-         AS t(id, kind, name, subject, payload, headers) \
+        "WITH inserted AS (INSERT INTO {o} ({COLUMNS}, ordering_key, ordering_skip_dead) \
+         SELECT t.id, t.kind, t.name, t.subject, t.payload, t.headers::jsonb, 'pending', 0, $7, $7, NULL, NULL, NULL, \
+         t.ordering_key, t.skip_dead \
+         FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $9::text[], $10::bool[]) \
+         AS t(id, kind, name, subject, payload, headers, ordering_key, skip_dead) \
          ON CONFLICT (id) DO NOTHING RETURNING 1), \
          counted AS (SELECT count(*) AS n FROM inserted) \
          SELECT n, CASE WHEN n > 0 AND $8::text IS NOT NULL THEN pg_notify($8, '')::text END FROM counted"

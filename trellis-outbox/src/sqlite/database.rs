@@ -45,7 +45,12 @@ impl Backend for Sqlite {
 
     async fn insert_row(on: &mut Enqueue<'_, Self>, record: &PreparedOutboxRecord) -> Result<bool> {
         let stamp = format_timestamp(on.now);
-        let result = bind_content(sqlx::query(statement(&on.sql.text.enqueue)), record)
+        // A record without an ordering key is written with upstream's statement.
+        let text = match record.ordering {
+            Some(_) => &on.sql.text.enqueue_ordered,
+            None => &on.sql.text.enqueue,
+        };
+        let mut query = bind_content(sqlx::query(statement(text)), record)
             .bind(headers_json(record)?)
             .bind("pending")
             .bind(0_i32)
@@ -53,7 +58,12 @@ impl Backend for Sqlite {
             .bind(&stamp)
             .bind(None::<String>)
             .bind(None::<String>)
-            .bind(None::<String>)
+            .bind(None::<String>);
+        if record.ordering.is_some() {
+            let (key, skip_dead) = record.ordering_columns();
+            query = query.bind(key).bind(skip_dead);
+        }
+        let result = query
             .execute(&mut *on.conn)
             .await
             .map_err(Error::enqueue(&record.id))?;
@@ -67,6 +77,14 @@ impl Backend for Sqlite {
         let stamp = format_timestamp(on.now);
         let mut inserted = 0;
         for chunk in records.chunks(BATCH_ROWS) {
+            // Keyed records are numbered by their own insert (`enqueue_ordered` reads the
+            // key's rows inserted before it), so a chunk holding one is inserted row by row.
+            if chunk.iter().any(|r| r.ordering.is_some()) {
+                for record in chunk {
+                    inserted += u64::from(Self::insert_row(on, record).await?);
+                }
+                continue;
+            }
             debug_assert!(chunk.len() * PARAMS_PER_ROW <= 32_766);
             let mut query = sqlx::query(AssertSqlSafe(sql::insert_rows(on.sql, chunk.len())));
             for r in chunk {

@@ -17,7 +17,29 @@ pub(crate) const SCHEMA: Schema = Schema {
     storage: None,
     checks,
     never: super::sql::NEVER,
+    ordering,
 };
+
+/// Version 5: per-key ordering. Three nullable columns (upstream Trellis' writer sets none,
+/// so its rows stay unordered) and the index the claim's head test reads. SQLite has one
+/// writer at a time, so insertion order is commit order: the keyed enqueue numbers a row
+/// when it inserts it (one more than the key's highest undispatched number).
+fn ordering(o: &str) -> Ddl {
+    Ddl {
+        up: vec![
+            format!("ALTER TABLE {o} ADD COLUMN ordering_key TEXT"),
+            format!("ALTER TABLE {o} ADD COLUMN ordering_seq INTEGER"),
+            format!("ALTER TABLE {o} ADD COLUMN ordering_skip_dead INTEGER"),
+            crate::sql::ordering_index(o),
+        ],
+        down: vec![
+            format!("DROP INDEX IF EXISTS {o}_ord_idx"),
+            format!("ALTER TABLE {o} DROP COLUMN ordering_skip_dead"),
+            format!("ALTER TABLE {o} DROP COLUMN ordering_seq"),
+            format!("ALTER TABLE {o} DROP COLUMN ordering_key"),
+        ],
+    }
+}
 
 /// Version 3's checks: triggers that abort inserts and updates leaving a row with an unknown
 /// state or a NULL id (SQLite lets a `TEXT PRIMARY KEY` hold NULL). An existing row with a

@@ -26,6 +26,16 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
             "INSERT INTO {o} ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO NOTHING"
         )
         .into(),
+        // One writer at a time: the number one above the key's highest undispatched row is
+        // the key's next in commit order. Dispatched rows no longer take part in the claim's
+        // head test, so a number may be used again once every row below it is dispatched.
+        enqueue_ordered: format!(
+            "INSERT INTO {o} ({COLUMNS}, ordering_key, ordering_seq, ordering_skip_dead) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, \
+             (SELECT COALESCE(MAX(ordering_seq), 0) + 1 FROM {o} \
+             WHERE ordering_key = ?14 AND state <> 'dispatched'), ?15) ON CONFLICT(id) DO NOTHING"
+        )
+        .into(),
         select_by_id: format!("SELECT {COLUMNS} FROM {o} WHERE id = ?").into(),
         inbox_insert: format!(
             "INSERT INTO {i} (message_id, received_at) VALUES (?, ?) ON CONFLICT(message_id) DO NOTHING"
@@ -135,6 +145,7 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
              ORDER BY created_at, id LIMIT ?3"
         )
         .into(),
+        blocked_keys: crate::sql::blocked_keys(o, "?1").into(),
         retry_dead: format!(
             "UPDATE {o} SET state = 'pending', attempts = 0, updated_at = {NOW}, \
              next_attempt_at = NULL, claimed_until = NULL, claim_token = NULL \
@@ -144,10 +155,13 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
         // Stored times have millisecond precision, but a julianday is a double of about
         // 2.46 million days, off by up to ~50 µs: the difference is rounded to whole
         // milliseconds, so a row due in 500 ms is never reported due in 500.017 ms.
+        // Only the heads of ordering keys count: a row behind its key's head is not due
+        // until the head is dispatched (a key blocked by a dead head is never due).
         next_due_in: format!(
             "SELECT round((julianday(min(max(COALESCE(next_attempt_at, {NOW}), COALESCE(claimed_until, {NOW})))) \
              - julianday({NOW})) * 86400000.0) / 1000.0 \
-             FROM {o} WHERE state IN ({OPEN_STATES})"
+             FROM {o} WHERE state IN ({OPEN_STATES}) AND {head}",
+            head = crate::sql::head_test(o, o),
         )
         .into(),
     }
@@ -240,7 +254,9 @@ impl ClaimSql {
                  WHERE state IN ({OPEN_STATES}) \
                  AND (next_attempt_at IS NULL OR next_attempt_at <= COALESCE(?3, {NOW})) \
                  AND (claimed_until IS NULL OR claimed_until <= {NOW}) \
-                 ORDER BY created_at, id LIMIT "
+                 AND {head} \
+                 ORDER BY created_at, id LIMIT ",
+                head = crate::sql::head_test(o, o),
             ),
             tail: format!(") RETURNING {CLAIM_COLUMNS}"),
             tail_with_cutoff: format!(

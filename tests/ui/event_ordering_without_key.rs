@@ -1,0 +1,13 @@
+use trellis_outbox::OutboxEvent;
+
+#[derive(serde::Serialize, OutboxEvent)]
+#[outbox(
+    name = "Orders.Shipped",
+    subject = "events.v1.Orders.Shipped",
+    ordering = "skip_dead"
+)]
+struct OrderShipped {
+    order_id: String,
+}
+
+fn main() {}
