@@ -105,6 +105,40 @@ fn shape_error(what: &str, input: &DeriveInput, shape: &str) -> darling::Error {
     .with_span(&input.ident)
 }
 
+/// The one named field flagged `#[outbox(<attr>)]` (`flag` reads the flag), if any; every
+/// further one is an error at its flag's span.
+fn marked_field(
+    fields: &[&attr::EventField],
+    flag: impl Fn(&attr::EventField) -> &darling::util::Flag,
+    attr: &str,
+    only_one: &str,
+    errors: &mut darling::error::Accumulator,
+) -> Option<FieldRef> {
+    let mut found: Option<FieldRef> = None;
+    for field in fields {
+        let mark = flag(field);
+        let (true, Some(ident)) = (mark.is_present(), &field.ident) else {
+            continue;
+        };
+        match &found {
+            None => {
+                found = Some(FieldRef {
+                    ident: ident.clone(),
+                    ty: field.ty.clone(),
+                });
+            }
+            Some(first) => errors.push(
+                darling::Error::custom(format!(
+                    "`#[outbox({attr})]` is already on field `{}`; {only_one}",
+                    first.ident
+                ))
+                .with_span(&mark.span()),
+            ),
+        }
+    }
+    found
+}
+
 /// Validates a `#[derive(OutboxEvent)]` input.
 pub(crate) fn event(input: &DeriveInput) -> darling::Result<Event> {
     let mut errors = darling::Error::accumulator();
@@ -172,51 +206,20 @@ pub(crate) fn event(input: &DeriveInput) -> darling::Result<Event> {
         }
     };
 
-    let mut id_field: Option<FieldRef> = None;
-    for field in &fields {
-        if !field.id.is_present() {
-            continue;
-        }
-        let Some(ident) = &field.ident else { continue };
-        match &id_field {
-            None => {
-                id_field = Some(FieldRef {
-                    ident: ident.clone(),
-                    ty: field.ty.clone(),
-                });
-            }
-            Some(first) => errors.push(
-                darling::Error::custom(format!(
-                    "`#[outbox(id)]` is already on field `{}`; only one field can be the record id",
-                    first.ident
-                ))
-                .with_span(&field.id.span()),
-            ),
-        }
-    }
-
-    let mut ordering_field: Option<FieldRef> = None;
-    for field in &fields {
-        if !field.ordering_key.is_present() {
-            continue;
-        }
-        let Some(ident) = &field.ident else { continue };
-        match &ordering_field {
-            None => {
-                ordering_field = Some(FieldRef {
-                    ident: ident.clone(),
-                    ty: field.ty.clone(),
-                });
-            }
-            Some(first) => errors.push(
-                darling::Error::custom(format!(
-                    "`#[outbox(ordering_key)]` is already on field `{}`; an event has one ordering key",
-                    first.ident
-                ))
-                .with_span(&field.ordering_key.span()),
-            ),
-        }
-    }
+    let id_field = marked_field(
+        &fields,
+        |field| &field.id,
+        "id",
+        "only one field can be the record id",
+        &mut errors,
+    );
+    let ordering_field = marked_field(
+        &fields,
+        |field| &field.ordering_key,
+        "ordering_key",
+        "an event has one ordering key",
+        &mut errors,
+    );
     let skip_dead = match &parsed.ordering {
         None => false,
         Some(lit) => {

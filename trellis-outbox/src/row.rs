@@ -345,6 +345,23 @@ where
         .bind(record.payload.as_str())
 }
 
+/// Binds a keyed record's ordering columns (its key, then whether a dead head stops
+/// blocking it) after the others; a record without a key binds nothing, since it is written
+/// with upstream's statement, which has no such columns.
+pub(crate) fn bind_ordering<'q, DB: sqlx::Database>(
+    query: Query<'q, DB, DB::Arguments>,
+    record: &PreparedOutboxRecord,
+) -> Query<'q, DB, DB::Arguments>
+where
+    bool: for<'t> sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    for<'t> &'t str: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+{
+    match &record.ordering {
+        Some(ordering) => query.bind(ordering.key.as_str()).bind(ordering.skip_dead()),
+        None => query,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

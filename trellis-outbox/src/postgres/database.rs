@@ -11,7 +11,7 @@ use super::sql;
 use crate::driver::sealed::{Backend, Enqueue, MigrationBackend, RowsAffected};
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
-use crate::row::{bind_content, first_id, headers_json, read};
+use crate::row::{bind_content, bind_ordering, first_id, headers_json, read};
 use crate::sql::statement;
 use crate::tables::Dialect;
 
@@ -48,7 +48,7 @@ impl Backend for Postgres {
             Some(_) => &on.sql.text.enqueue_ordered,
             None => &on.sql.text.enqueue,
         };
-        let mut query = bind_content(sqlx::query(statement(text)), record)
+        let query = bind_content(sqlx::query(statement(text)), record)
             .bind(Json(&record.headers))
             .bind("pending")
             .bind(0_i32)
@@ -58,11 +58,7 @@ impl Backend for Postgres {
             .bind(None::<String>)
             .bind(None::<Json<serde_json::Value>>)
             .bind(on.sql.notify_bind());
-        if record.ordering.is_some() {
-            let (key, skip_dead) = record.ordering_columns();
-            query = query.bind(key).bind(skip_dead);
-        }
-        let inserted = query
+        let inserted = bind_ordering(query, record)
             .fetch_optional(&mut *on.conn)
             .await
             .map_err(Error::enqueue(&record.id))?;

@@ -12,7 +12,7 @@ use super::sql;
 use crate::driver::sealed::{Backend, Enqueue, MigrationBackend, RowsAffected};
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
-use crate::row::{RawRow, bind_content, first_id, get, headers_json, read};
+use crate::row::{RawRow, bind_content, bind_ordering, first_id, get, headers_json, read};
 use crate::sql::statement;
 use crate::tables::Dialect;
 use crate::time::format_timestamp;
@@ -50,7 +50,7 @@ impl Backend for Sqlite {
             Some(_) => &on.sql.text.enqueue_ordered,
             None => &on.sql.text.enqueue,
         };
-        let mut query = bind_content(sqlx::query(statement(text)), record)
+        let query = bind_content(sqlx::query(statement(text)), record)
             .bind(headers_json(record)?)
             .bind("pending")
             .bind(0_i32)
@@ -59,11 +59,7 @@ impl Backend for Sqlite {
             .bind(None::<String>)
             .bind(None::<String>)
             .bind(None::<String>);
-        if record.ordering.is_some() {
-            let (key, skip_dead) = record.ordering_columns();
-            query = query.bind(key).bind(skip_dead);
-        }
-        let result = query
+        let result = bind_ordering(query, record)
             .execute(&mut *on.conn)
             .await
             .map_err(Error::enqueue(&record.id))?;
