@@ -5,6 +5,7 @@
 //! test with a message saying how to start it: nothing silently passes.
 
 pub mod chaos;
+pub mod crash;
 pub mod nats;
 pub mod nats_server;
 pub mod publisher;

@@ -5,18 +5,16 @@
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
 use std::collections::HashMap;
-use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use sqlx::postgres::PgConnectOptions;
 use trellis_outbox::{
-    DispatchOptions, OutboxDispatcher, OutboxMessage, OutboxTransactionExt, PgOutboxRepository,
-    PreparedOutboxRecord, PublishError, Publisher, RetryPolicy, SqliteOutboxRepository,
-    dispatch_outbox, migrate,
+    DispatchOptions, OutboxDispatcher, OutboxTransactionExt, PgOutboxRepository,
+    PreparedOutboxRecord, RetryPolicy, SqliteOutboxRepository, dispatch_outbox, migrate,
 };
+use trellis_outbox_tests::crash::{TablePublisher, run_child_dispatcher, spawn_child};
 use trellis_outbox_tests::publisher::RecordingPublisher;
-use trellis_outbox_tests::{TestPg, TestSqlite, database_url};
+use trellis_outbox_tests::{TestPg, TestSqlite};
 
 /// How many times each row was published, from the recording publisher's attempts.
 fn attempt_counts(publisher: &RecordingPublisher) -> HashMap<String, u32> {
@@ -305,60 +303,12 @@ async fn postgres_marks_store_nul_and_huge_errors_sanitized() {
 
 const CHILD_ENV: &str = "TRELLIS_OUTBOX_CRASH_CHILD_DB";
 
-/// Records publishes in a table, as a broker would: visible to the parent after the kill.
-struct TablePublisher {
-    pool: sqlx::PgPool,
-}
-
-impl Publisher for TablePublisher {
-    async fn publish_batch(
-        &self,
-        messages: &[OutboxMessage],
-    ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
-        let ids: Vec<&str> = messages.iter().map(|m| m.id.as_str()).collect();
-        let stored = sqlx::query("INSERT INTO published (id) SELECT * FROM UNNEST($1::text[])")
-            .bind(&ids)
-            .execute(&self.pool)
-            .await;
-        // A slow broker: gives the parent time to kill us between publish and mark.
-        tokio::time::sleep(Duration::from_millis(30)).await;
-        messages
-            .iter()
-            .map(|_| match &stored {
-                Ok(_) => Ok(None),
-                Err(e) => Err(PublishError::retryable(e.to_string())),
-            })
-            .collect()
-    }
-}
-
-fn options_for(db_name: &str) -> PgConnectOptions {
-    PgConnectOptions::from_str(&database_url())
-        .unwrap()
-        .database(db_name)
-}
-
 /// Not a test: the body of the child process the crash test starts and kills.
 #[tokio::test]
 #[ignore = "entry point of the crash test's child process"]
 async fn crash_child_process() {
-    let Ok(db_name) = std::env::var(CHILD_ENV) else {
-        return;
-    };
-    let pool = sqlx::PgPool::connect_with(options_for(&db_name))
-        .await
-        .unwrap();
-    let dispatcher = OutboxDispatcher::builder(
-        PgOutboxRepository::new(pool.clone()),
-        TablePublisher { pool: pool.clone() },
-    )
-    .batch_size(50)
-    .lease(Duration::from_secs(2))
-    .start()
-    .unwrap();
-    // Run until killed.
-    tokio::time::sleep(Duration::from_secs(120)).await;
-    dispatcher.shutdown().await;
+    // A slow broker: gives the parent time to kill us between publish and mark.
+    run_child_dispatcher(CHILD_ENV, 50, Duration::from_millis(15)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -371,18 +321,7 @@ async fn a_dispatcher_killed_mid_batch_loses_nothing() {
         .unwrap();
     let ids = load(&db.pool, 3_000).await;
 
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "crash_child_process",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ENV, &db.name)
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_child("crash_child_process", CHILD_ENV, &db.name);
     // Let it dispatch part of the backlog, then kill it without warning (SIGKILL, our pid).
     wait_until_undispatched_is(&db.pool, 2_500, Duration::from_secs(60)).await;
     child.kill().unwrap();
@@ -410,6 +349,7 @@ async fn a_dispatcher_killed_mid_batch_loses_nothing() {
         PgOutboxRepository::new(db.pool.clone()),
         TablePublisher {
             pool: db.pool.clone(),
+            pause: Duration::ZERO,
         },
     )
     .batch_size(100)

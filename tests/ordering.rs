@@ -6,21 +6,20 @@
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use rand::RngExt;
 use rand::seq::SliceRandom;
 use serde_json::json;
-use sqlx::postgres::PgConnectOptions;
 use trellis_outbox::{
-    DispatchOptions, HeadOfLine, JetStreamPublisher, OutboxDispatcher, OutboxMessage,
-    OutboxRepository, OutboxTransactionExt, PgOutboxRepository, PreparedOutboxRecord, PublishError,
-    Publisher, RetryOutcome, RetryPolicy, SqliteOutboxRepository, dispatch_outbox, migrate,
+    DispatchOptions, HeadOfLine, JetStreamPublisher, OutboxDispatcher, OutboxRepository,
+    OutboxTransactionExt, PgOutboxRepository, PreparedOutboxRecord, RetryOutcome, RetryPolicy,
+    SqliteOutboxRepository, dispatch_outbox, migrate,
 };
+use trellis_outbox_tests::crash::{TablePublisher, run_child_dispatcher, spawn_child};
 use trellis_outbox_tests::nats::{TestStream, jetstream};
 use trellis_outbox_tests::publisher::RecordingPublisher;
-use trellis_outbox_tests::{TestPg, TestSqlite, database_url};
+use trellis_outbox_tests::{TestPg, TestSqlite};
 
 const KEYS: usize = 50;
 const PER_KEY: usize = 200;
@@ -587,58 +586,13 @@ async fn four_dispatchers_keep_every_key_in_order() {
 
 const CHILD_ENV: &str = "TRELLIS_OUTBOX_ORDERING_CHILD_DB";
 
-/// Records publishes in a table, in order, as a broker would: visible after the kill.
-struct TablePublisher {
-    pool: sqlx::PgPool,
-}
-
-impl Publisher for TablePublisher {
-    async fn publish_batch(
-        &self,
-        messages: &[OutboxMessage],
-    ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
-        // A slow broker on both sides of the write: a kill often finds a batch claimed but
-        // not yet published, whose keys' later rows must then wait for its lease to end.
-        tokio::time::sleep(Duration::from_millis(15)).await;
-        let ids: Vec<&str> = messages.iter().map(|m| m.id.as_str()).collect();
-        let stored = sqlx::query(
-            "INSERT INTO published (id) SELECT id FROM UNNEST($1::text[]) WITH ORDINALITY AS t(id, i) ORDER BY i",
-        )
-        .bind(&ids)
-        .execute(&self.pool)
-        .await;
-        tokio::time::sleep(Duration::from_millis(15)).await;
-        messages
-            .iter()
-            .map(|_| match &stored {
-                Ok(_) => Ok(None),
-                Err(e) => Err(PublishError::retryable(e.to_string())),
-            })
-            .collect()
-    }
-}
-
 /// Not a test: the body of the child process the crash test starts and kills.
 #[tokio::test]
 #[ignore = "entry point of the ordering crash test's child process"]
 async fn ordering_crash_child_process() {
-    let Ok(db_name) = std::env::var(CHILD_ENV) else {
-        return;
-    };
-    let options = PgConnectOptions::from_str(&database_url())
-        .unwrap()
-        .database(&db_name);
-    let pool = sqlx::PgPool::connect_with(options).await.unwrap();
-    let dispatcher = OutboxDispatcher::builder(
-        PgOutboxRepository::new(pool.clone()),
-        TablePublisher { pool: pool.clone() },
-    )
-    .batch_size(25)
-    .lease(Duration::from_secs(2))
-    .start()
-    .unwrap();
-    tokio::time::sleep(Duration::from_secs(120)).await;
-    dispatcher.shutdown().await;
+    // A slow broker on both sides of the write: a kill often finds a batch claimed but not
+    // yet published, whose keys' later rows must then wait for its lease to end.
+    run_child_dispatcher(CHILD_ENV, 25, Duration::from_millis(15)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -652,18 +606,7 @@ async fn ordering_holds_across_a_killed_dispatcher() {
     let want = load_keyed(&db.pool, 40).await;
     let total = (KEYS * 40) as i64;
 
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "ordering_crash_child_process",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ENV, &db.name)
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_child("ordering_crash_child_process", CHILD_ENV, &db.name);
     wait_until_dispatched(&db.pool, total / 4, Duration::from_secs(60)).await;
     // SIGKILL, our own child by pid.
     child.kill().unwrap();
@@ -687,6 +630,7 @@ async fn ordering_holds_across_a_killed_dispatcher() {
         PgOutboxRepository::new(db.pool.clone()),
         TablePublisher {
             pool: db.pool.clone(),
+            pause: Duration::ZERO,
         },
     )
     .batch_size(30)
