@@ -55,38 +55,45 @@ fn read(snapshotter: &Snapshotter) -> (Counters, HashMap<String, usize>) {
     (counters, histograms)
 }
 
+/// Runs `body` to completion on a current-thread runtime with a debugging recorder local to
+/// this thread (no other test's metrics reach it); that recorder's snapshotter.
+fn recorded(body: impl std::future::Future<Output = ()>) -> Snapshotter {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(body)
+    });
+    snapshotter
+}
+
 fn event(name: &str) -> PreparedOutboxRecord {
     PreparedOutboxRecord::event(name, format!("events.v1.{name}"), &json!({})).unwrap()
 }
 
 #[test]
 fn a_drain_counts_rows_by_name_and_times_each_stage() {
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    metrics::with_local_recorder(&recorder, || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
+    let snapshotter = recorded(async {
+        let repo = MemoryOutboxRepository::new();
+        let ok = [
+            repo.enqueue(&event("Orders.Placed")).unwrap(),
+            repo.enqueue(&event("Orders.Placed")).unwrap(),
+        ];
+        let flaky = repo.enqueue(&event("Orders.Shipped")).unwrap();
+        let broken = repo.enqueue(&event("Orders.Billed")).unwrap();
+        repo.enqueue_undecodable(&event("Orders.Lost"), "bad headers")
             .unwrap();
-        runtime.block_on(async {
-            let repo = MemoryOutboxRepository::new();
-            let ok = [
-                repo.enqueue(&event("Orders.Placed")).unwrap(),
-                repo.enqueue(&event("Orders.Placed")).unwrap(),
-            ];
-            let flaky = repo.enqueue(&event("Orders.Shipped")).unwrap();
-            let broken = repo.enqueue(&event("Orders.Billed")).unwrap();
-            repo.enqueue_undecodable(&event("Orders.Lost"), "bad headers")
-                .unwrap();
-            let publisher = RecordingPublisher::new();
-            publisher.fail_always(&flaky.id, "timeout");
-            publisher.fail_permanently(&broken.id, "too large");
-            let report = dispatch_outbox(&repo, &publisher, DispatchOptions::new())
-                .await
-                .unwrap();
-            assert_eq!((report.dispatched, report.failed, report.dead), (2, 1, 2));
-            let _ = ok;
-        });
+        let publisher = RecordingPublisher::new();
+        publisher.fail_always(&flaky.id, "timeout");
+        publisher.fail_permanently(&broken.id, "too large");
+        let report = dispatch_outbox(&repo, &publisher, DispatchOptions::new())
+            .await
+            .unwrap();
+        assert_eq!((report.dispatched, report.failed, report.dead), (2, 1, 2));
+        let _ = ok;
     });
     let (counters, histograms) = read(&snapshotter);
     let by_name = |metric: &str, name: &str| {
@@ -111,23 +118,15 @@ fn a_drain_counts_rows_by_name_and_times_each_stage() {
 
 #[test]
 fn inbox_duplicates_are_counted_by_inbox_table() {
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    metrics::with_local_recorder(&recorder, || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async {
-            use trellis_outbox::OutboxTransactionExt as _;
-            let db = trellis_outbox_tests::TestSqlite::new().await;
-            trellis_outbox::migrate(&db.pool).await.unwrap();
-            for _ in 0..3 {
-                let mut tx = db.pool.begin().await.unwrap();
-                tx.record_inbox("evt-1").await.unwrap();
-                tx.commit().await.unwrap();
-            }
-        });
+    let snapshotter = recorded(async {
+        use trellis_outbox::OutboxTransactionExt as _;
+        let db = trellis_outbox_tests::TestSqlite::new().await;
+        trellis_outbox::migrate(&db.pool).await.unwrap();
+        for _ in 0..3 {
+            let mut tx = db.pool.begin().await.unwrap();
+            tx.record_inbox("evt-1").await.unwrap();
+            tx.commit().await.unwrap();
+        }
     });
     let (counters, _) = read(&snapshotter);
     assert_eq!(
