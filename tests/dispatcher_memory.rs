@@ -84,6 +84,28 @@ struct Probe {
     overlap: std::sync::atomic::AtomicBool,
     /// `(cutoff passed, ids returned)` per claim.
     log: Mutex<ClaimLog>,
+    /// How long `next_due_in` takes.
+    slow_due: Mutex<Duration>,
+    /// Repository calls dropped before they finished (on a database, each costs the
+    /// connection the call was using).
+    cancelled: Arc<AtomicUsize>,
+}
+
+/// Counts a repository call as cancelled if it is dropped before [`Running::done`].
+struct Running(Option<Arc<AtomicUsize>>);
+
+impl Running {
+    fn done(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(cancelled) = self.0.take() {
+            cancelled.fetch_add(1, Ordering::SeqCst);
+        }
+    }
 }
 
 impl Probe {
@@ -98,7 +120,13 @@ impl Probe {
             block_marks: watch::Sender::new(false),
             overlap: std::sync::atomic::AtomicBool::new(false),
             log: Mutex::new(Vec::new()),
+            slow_due: Mutex::new(Duration::ZERO),
+            cancelled: Arc::new(AtomicUsize::new(0)),
         })
+    }
+
+    fn running(&self) -> Running {
+        Running(Some(self.cancelled.clone()))
     }
 
     fn claims(&self) -> usize {
@@ -112,6 +140,7 @@ impl Probe {
 
 impl OutboxRepository for Probe {
     async fn claim(&self, request: ClaimRequest) -> trellis_outbox::Result<Claim> {
+        let running = self.running();
         self.claims.fetch_add(1, Ordering::SeqCst);
         let now_in = self.in_claim.fetch_add(1, Ordering::SeqCst) + 1;
         self.max_in_claim.fetch_max(now_in, Ordering::SeqCst);
@@ -137,6 +166,7 @@ impl OutboxRepository for Probe {
             self.log.lock().unwrap().push((request.cutoff, ids));
         }
         self.in_claim.fetch_sub(1, Ordering::SeqCst);
+        running.done();
         result
     }
 
@@ -145,9 +175,12 @@ impl OutboxRepository for Probe {
         claim: &Claim,
         rows: &[Dispatched],
     ) -> trellis_outbox::Result<u64> {
+        let running = self.running();
         let mut blocked = self.block_marks.subscribe();
         let _ = blocked.wait_for(|b| !*b).await;
-        self.inner.mark_dispatched(claim, rows).await
+        let marked = self.inner.mark_dispatched(claim, rows).await;
+        running.done();
+        marked
     }
 
     async fn mark_failures(
@@ -167,7 +200,12 @@ impl OutboxRepository for Probe {
     }
 
     async fn next_due_in(&self) -> trellis_outbox::Result<Option<Duration>> {
-        self.inner.next_due_in().await
+        let running = self.running();
+        let slow = *self.slow_due.lock().unwrap();
+        sleep(slow).await;
+        let due = self.inner.next_due_in().await;
+        running.done();
+        due
     }
 
     fn overlaps_batches(&self) -> bool {
@@ -1118,6 +1156,41 @@ async fn a_notify_while_the_last_mark_runs_claims_at_once() {
     );
     dispatcher.shutdown().await;
     assert_eq!(publisher.successes(), ["a", "b"]);
+}
+
+/// A notify never drops a repository call in flight (on a database that would cost the
+/// call's connection, and the next call a new session): one that arrives while the drain's
+/// `next_due_in` runs is served right after it.
+#[tokio::test(start_paused = true)]
+async fn a_notify_does_not_cancel_a_running_repository_call() {
+    let inner = Arc::new(MemoryOutboxRepository::new());
+    let probe = Probe::new(inner.clone());
+    probe.overlap.store(true, Ordering::SeqCst);
+    *probe.slow_due.lock().unwrap() = Duration::from_millis(100);
+    let publisher = RecordingPublisher::new();
+    let dispatcher = OutboxDispatcher::builder(probe.clone(), publisher.clone())
+        .idle_interval(LONG)
+        .start()
+        .unwrap();
+    for (n, id) in ["a", "b", "c", "d"].into_iter().enumerate() {
+        inner.enqueue(&prepared(id)).unwrap();
+        dispatcher.notify();
+        assert!(publisher.wait_for_attempts(n + 1, WAIT).await);
+        // The drain is over and its `next_due_in` is running: notify in the middle of it.
+        sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        eventually(|| ["a", "b", "c", "d"]
+            .iter()
+            .all(|id| state(&inner, id) == OutboxMessageState::Dispatched))
+        .await
+    );
+    dispatcher.shutdown().await;
+    assert_eq!(
+        probe.cancelled.load(Ordering::SeqCst),
+        0,
+        "repository calls dropped before they finished"
+    );
 }
 
 #[tokio::test(start_paused = true)]

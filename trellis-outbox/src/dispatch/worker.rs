@@ -93,18 +93,11 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
             }
             self.purge_if_due().await;
             self.report_backlog_if_due().await;
+            // Run to its end even if a notify arrives meanwhile (the wait below then drains
+            // at once): a query dropped mid-flight costs its connection, and the pool's next
+            // connection pays for a new session and re-parsed statements.
             let due = match claimed {
-                Some(claimed) => {
-                    let repo = &self.repo;
-                    let due_in = next_due_in(repo);
-                    tokio::select! {
-                        biased;
-                        // Committed meanwhile: drain now (unless notifies are debounced);
-                        // the timer is armed after that drain.
-                        Some(()) = self.wake.recv(), if self.debounce.is_zero() => continue,
-                        due = due_in => Some((claimed, due)),
-                    }
-                }
+                Some(claimed) => Some((claimed, next_due_in(&self.repo).await)),
                 None => None,
             };
             let retry_at = match due {
