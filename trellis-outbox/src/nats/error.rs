@@ -133,25 +133,63 @@ impl JetStreamError {
 }
 
 impl JetStreamError {
-    /// The first part of the message: what failed, for which row. Kept one line a kind, so
-    /// the messages read as the table they are.
-    #[rustfmt::skip]
+    /// The first part of the message: what failed, for which row — the kind's
+    /// [`template`](JetStreamErrorKind::template) filled in.
     fn headline(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        use JetStreamErrorKind as Kind;
-        let (id, subject, record) = (&self.row_id, &self.subject, self.record_kind);
-        match self.kind {
-            Kind::StreamNotFound => write!(f, "no JetStream stream captures subject `{subject}` (outbox row {id}); create a stream whose subjects include it"),
-            Kind::MaxPayloadExceeded => write!(f, "outbox row {id} is too large to publish to `{subject}`; no retry can deliver it"),
-            Kind::InvalidSubject => write!(f, "outbox row {id} has a subject that cannot be published to: `{subject}`"),
-            Kind::TimedOut => write!(f, "JetStream did not acknowledge outbox row {id} on `{subject}`"),
-            Kind::Disconnected => write!(f, "the NATS connection was lost before JetStream acknowledged outbox row {id} on `{subject}`"),
-            Kind::MaxAckPending => write!(f, "too many JetStream acknowledgements pending to publish outbox row {id} to `{subject}`"),
-            Kind::MalformedJob => write!(f, "outbox row {id} ({record}) cannot be turned into a Trellis job `created` event"),
-            Kind::InvalidHeader => write!(f, "outbox row {id:?} has an id or header that cannot be sent to NATS; no retry can deliver it"),
-            Kind::SubjectNotAllowed => write!(f, "outbox row {id:?} has subject `{subject}`, which no allowed subject prefix of this publisher matches"),
-            Kind::JobDispatchTimedOut => write!(f, "the job dispatcher did not decide on outbox row {id} ({record})"),
-            Kind::NoJobDispatch => write!(f, "outbox row {id} is a `{record}` record but no job dispatcher is configured (the JetStreamPublisher was built with `no_job_dispatch()`); it stays retryable until a publisher with job dispatch runs"),
-            Kind::Other => write!(f, "JetStream publish of outbox row {id} to `{subject}` failed"),
+        let mut rest = self.kind.template();
+        while let Some(open) = rest.find('{') {
+            f.write_str(&rest[..open])?;
+            let (name, after) = rest[open + 1..].split_once('}').unwrap_or(("", ""));
+            match name {
+                "id" => f.write_str(&self.row_id)?,
+                "id:?" => write!(f, "{:?}", self.row_id)?,
+                "subject" => f.write_str(&self.subject)?,
+                "record" => f.write_str(self.record_kind)?,
+                other => write!(f, "{{{other}}}")?,
+            }
+            rest = after;
+        }
+        f.write_str(rest)
+    }
+}
+
+impl JetStreamErrorKind {
+    /// The message of a failure of this kind: `{id}` (`{id:?}` quoted), `{subject}` and
+    /// `{record}` stand for the row's id, subject and record kind.
+    fn template(self) -> &'static str {
+        match self {
+            Self::StreamNotFound => {
+                "no JetStream stream captures subject `{subject}` (outbox row {id}); create a stream whose subjects include it"
+            }
+            Self::MaxPayloadExceeded => {
+                "outbox row {id} is too large to publish to `{subject}`; no retry can deliver it"
+            }
+            Self::InvalidSubject => {
+                "outbox row {id} has a subject that cannot be published to: `{subject}`"
+            }
+            Self::TimedOut => "JetStream did not acknowledge outbox row {id} on `{subject}`",
+            Self::Disconnected => {
+                "the NATS connection was lost before JetStream acknowledged outbox row {id} on `{subject}`"
+            }
+            Self::MaxAckPending => {
+                "too many JetStream acknowledgements pending to publish outbox row {id} to `{subject}`"
+            }
+            Self::MalformedJob => {
+                "outbox row {id} ({record}) cannot be turned into a Trellis job `created` event"
+            }
+            Self::InvalidHeader => {
+                "outbox row {id:?} has an id or header that cannot be sent to NATS; no retry can deliver it"
+            }
+            Self::SubjectNotAllowed => {
+                "outbox row {id:?} has subject `{subject}`, which no allowed subject prefix of this publisher matches"
+            }
+            Self::JobDispatchTimedOut => {
+                "the job dispatcher did not decide on outbox row {id} ({record})"
+            }
+            Self::NoJobDispatch => {
+                "outbox row {id} is a `{record}` record but no job dispatcher is configured (the JetStreamPublisher was built with `no_job_dispatch()`); it stays retryable until a publisher with job dispatch runs"
+            }
+            Self::Other => "JetStream publish of outbox row {id} to `{subject}` failed",
         }
     }
 }
@@ -214,5 +252,47 @@ fn classify_other(err: &NatsPublishError) -> JetStreamErrorKind {
             JetStreamErrorKind::MaxPayloadExceeded
         }
         _ => JetStreamErrorKind::Other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::PreparedOutboxRecord;
+
+    const KINDS: [JetStreamErrorKind; 12] = {
+        use JetStreamErrorKind as K;
+        [
+            K::StreamNotFound,
+            K::MaxPayloadExceeded,
+            K::InvalidSubject,
+            K::TimedOut,
+            K::Disconnected,
+            K::MaxAckPending,
+            K::MalformedJob,
+            K::InvalidHeader,
+            K::SubjectNotAllowed,
+            K::JobDispatchTimedOut,
+            K::NoJobDispatch,
+            K::Other,
+        ]
+    };
+
+    #[test]
+    fn every_message_fills_in_all_its_placeholders() {
+        let record = PreparedOutboxRecord::event("A.Happened", "events.v1.A.Happened", &1).unwrap();
+        let message = OutboxMessage::pending(record, chrono::Utc::now());
+        for kind in KINDS {
+            let text = JetStreamError::new(kind, &message).to_string();
+            assert!(!text.contains(['{', '}']), "{kind:?}: {text}");
+            assert!(text.contains(&message.id), "{kind:?} names no row: {text}");
+        }
+        let text = JetStreamError::new(JetStreamErrorKind::InvalidHeader, &message).to_string();
+        assert!(
+            text.starts_with(&format!("outbox row {:?} has", message.id)),
+            "{text}"
+        );
+        let text = JetStreamError::new(JetStreamErrorKind::NoJobDispatch, &message).to_string();
+        assert!(text.contains("is a `event.publish` record"), "{text}");
     }
 }
