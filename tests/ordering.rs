@@ -504,6 +504,68 @@ async fn a_retrying_head_holds_its_key_on_postgres() {
     db.close().await;
 }
 
+/// A Postgres claim takes a run of a key (several of its rows) in one go and publishes it
+/// one row at a time, in order; the rows behind a row that fails are released unattempted,
+/// not failed, and go out after it.
+#[tokio::test]
+async fn a_claim_publishes_a_run_of_a_key_one_row_at_a_time_on_postgres() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let ids = head_of_line_rows(&db.pool, HeadOfLine::Block).await;
+    let repo = PgOutboxRepository::new(db.pool.clone());
+    let publisher = RecordingPublisher::new();
+    publisher.fail_times(&ids["a1"], 1, "broker busy");
+    let options = DispatchOptions::new()
+        .batch_size(10)
+        .retry_policy(RetryPolicy::fixed(Duration::from_millis(50)));
+    let report = dispatch_outbox(&repo, &publisher, options.clone())
+        .await
+        .unwrap();
+    // One claim held all six rows: both keys' runs went out in this one call (a claim of
+    // heads alone would have held a0 and b0 only).
+    assert_eq!((report.dispatched, report.failed), (4, 1), "{report:?}");
+    let batch = |id: &str| {
+        publisher
+            .attempts()
+            .iter()
+            .find(|a| a.id == id)
+            .map(|a| a.batch)
+            .unwrap()
+    };
+    assert_eq!(batch(&ids["a0"]), batch(&ids["b0"]));
+    assert!(batch(&ids["a0"]) < batch(&ids["a1"]) && batch(&ids["b0"]) < batch(&ids["b1"]));
+    assert!(batch(&ids["b1"]) < batch(&ids["b2"]));
+    // a2 waited behind the failed a1: never attempted, released (not leased, no attempt).
+    assert_eq!(publisher.attempt_count(&ids["a2"]), 0);
+    let (state, attempts, leased): (String, i32, bool) = sqlx::query_as(
+        "SELECT state, attempts, claimed_until IS NOT NULL OR claim_token IS NOT NULL \
+         FROM trellis_outbox WHERE id = $1",
+    )
+    .bind(&ids["a2"])
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((state.as_str(), attempts, leased), ("pending", 0, false));
+    // Once a1 is due again, the key goes on in order.
+    let start = Instant::now();
+    while publisher.successes().len() < 6 {
+        dispatch_outbox(&repo, &publisher, options.clone())
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "a1 and a2 never went out"
+        );
+    }
+    let a: Vec<String> = published(&publisher)
+        .into_iter()
+        .filter(|id| [&ids["a0"], &ids["a1"], &ids["a2"]].contains(&id))
+        .collect();
+    assert_eq!(a, [ids["a0"].clone(), ids["a1"].clone(), ids["a2"].clone()]);
+    db.close().await;
+}
+
 // ---- four dispatchers ----
 
 /// Loads 50 keys × `per_key` rows, keys interleaved at random, in transactions of 100.

@@ -1398,9 +1398,16 @@ async fn timed_ordered_drain(
     let subject = stream.subject("Orders.Shipped");
     load_keyed(pool, &subject, rows, keys).await?;
     stream.purge().await?;
-    let repo = PgOutboxRepository::new(pool.clone());
-    let publisher = publisher(js, settings);
+    let repo = Timed {
+        inner: PgOutboxRepository::new(pool.clone()),
+        stages: Arc::clone(&STAGES),
+    };
+    let publisher = Timed {
+        inner: publisher(js, settings),
+        stages: Arc::clone(&STAGES),
+    };
     let options = DispatchOptions::new().batch_size(settings.batch);
+    STAGES.take();
     let start = Instant::now();
     let (mut drained, mut calls) = (0, 0);
     loop {
@@ -1430,7 +1437,8 @@ async fn timed_ordered_drain(
     }
     let rate = rows as f64 / elapsed.as_secs_f64();
     println!(
-        "  {side} {rows} rows: {rate:>9.0} rows/s ({elapsed:.2?}, {calls} dispatch_outbox calls)"
+        "  {side} {rows} rows: {rate:>9.0} rows/s ({elapsed:.2?}, {calls} dispatch_outbox calls; {})",
+        STAGES.take()
     );
     Ok(rate)
 }

@@ -30,6 +30,26 @@ pub(crate) fn head_test(o: &str, candidate: &str) -> String {
     )
 }
 
+/// The run test of the Postgres claim's candidates: a keyed row may be a candidate if every
+/// row of its key with a lower `ordering_seq` that still holds it back (see [`head_test`])
+/// is itself claimable now (open, due by `cutoff`, not leased) **and** comes before it in
+/// claim order (`created_at`, `id`). So a key's claimable rows enter a claim as a prefix of
+/// the key, and the first candidate in claim order always has nothing ahead of it but rows
+/// another claimer has locked: the claim makes progress whatever the `LIMIT`.
+pub(crate) fn run_test(o: &str, candidate: &str, cutoff: &str) -> String {
+    format!(
+        "({candidate}.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {o} AS ahead \
+         WHERE ahead.ordering_key = {candidate}.ordering_key \
+         AND ahead.ordering_seq < {candidate}.ordering_seq \
+         AND ahead.state <> 'dispatched' \
+         AND (ahead.state <> 'dead' OR ahead.ordering_skip_dead IS NOT TRUE) \
+         AND NOT (ahead.state IN ({OPEN_STATES}) \
+         AND (ahead.next_attempt_at IS NULL OR ahead.next_attempt_at <= {cutoff}) \
+         AND (ahead.claimed_until IS NULL OR ahead.claimed_until <= now()) \
+         AND (ahead.created_at, ahead.id) < ({candidate}.created_at, {candidate}.id))))"
+    )
+}
+
 /// The keys whose head is dead under the `block` policy ($1/?1 = limit, written by each
 /// dialect as `limit`): `(rows waiting behind it, key, head id)`.
 pub(crate) fn blocked_keys(o: &str, limit: &str) -> String {

@@ -129,11 +129,15 @@ struct Leased {
 /// A claimed batch after publishing, waiting to be marked.
 struct Published {
     claim: Claim,
-    /// One result per message; `None` when the batch was not published (or not to the end)
-    /// because its lease could not be kept: nothing of it is marked.
-    results: Option<Vec<Result<Option<serde_json::Value>, PublishError>>>,
+    /// One result per message (`None`: held back behind a failed row of its key, and
+    /// released); `None` when the batch was not published (or not to the end) because its
+    /// lease could not be kept: nothing of it is marked.
+    results: Option<Vec<Option<PublishResult>>>,
     span: tracing::Span,
 }
+
+/// What publishing one message did.
+type PublishResult = Result<Option<serde_json::Value>, PublishError>;
 
 /// What marking one batch did.
 #[derive(Debug, Default)]

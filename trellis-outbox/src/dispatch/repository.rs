@@ -1,5 +1,6 @@
 //! The storage side of dispatching: claiming due rows under a lease and marking them.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -79,10 +80,17 @@ pub struct Claim {
     /// next claim of the same drain wave so a row that failed during the wave is not retried
     /// within it (spec §A.5), however short its retry delay.
     pub cutoff: DateTime<Utc>,
-    /// The decoded rows, in dispatch order: `created_at`, then `id`.
+    /// The decoded rows, in dispatch order: `created_at`, then `id` (a Postgres claim holding
+    /// several rows of an ordering key: the first row of each key first, then the second, …).
     pub messages: Vec<OutboxMessage>,
     /// Claimed rows that could not be decoded.
     pub poisoned: Vec<PoisonRow>,
+    /// Where each publish round ends in `messages`, when the claim holds more than one row
+    /// of an ordering key ([`Claim::order_runs`]); empty: one round.
+    pub(crate) rounds: Vec<usize>,
+    /// For a message in a later round: the id of the row of its key just ahead of it, which
+    /// must have been published before it may be.
+    pub(crate) after: HashMap<String, String>,
 }
 
 impl Claim {
@@ -93,6 +101,8 @@ impl Claim {
             cutoff,
             messages: Vec::new(),
             poisoned: Vec::new(),
+            rounds: Vec::new(),
+            after: HashMap::new(),
         }
     }
 
@@ -127,6 +137,37 @@ impl Claim {
         }
         self.messages
             .sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+    }
+
+    /// Orders a claim that holds runs of ordering keys (several rows of a key) for publishing
+    /// in rounds: round `r` holds the `r`-th claimed row of each key (and, in the first
+    /// round, every unkeyed row), so a key never has two rows in flight and its rows go out
+    /// in `ordering_seq` order. `keys` gives each keyed row's id its key and sequence,
+    /// undecodable rows included: a poisoned row ahead of a message holds it back.
+    pub(crate) fn order_runs(&mut self, keys: Vec<(String, String, i64)>) {
+        let mut by_key: HashMap<String, Vec<(i64, String)>> = HashMap::new();
+        for (id, key, seq) in keys {
+            by_key.entry(key).or_default().push((seq, id));
+        }
+        let mut rank: HashMap<String, usize> = HashMap::new();
+        for mut run in by_key.into_values().filter(|run| run.len() > 1) {
+            run.sort_unstable();
+            for (position, pair) in run.windows(2).enumerate() {
+                self.after.insert(pair[1].1.clone(), pair[0].1.clone());
+                rank.insert(pair[1].1.clone(), position + 1);
+            }
+        }
+        if rank.is_empty() {
+            return;
+        }
+        let rank_of = |message: &OutboxMessage| rank.get(&message.id).copied().unwrap_or(0);
+        // Stable: each round stays in dispatch order.
+        self.messages.sort_by_key(rank_of);
+        let ranks: Vec<usize> = self.messages.iter().map(rank_of).collect();
+        let last = ranks.last().copied().unwrap_or(0);
+        self.rounds = (0..=last)
+            .map(|round| ranks.partition_point(|&rank| rank <= round))
+            .collect();
     }
 
     /// Adds one decoded row: to [`Claim::messages`] if it may be sent to NATS, otherwise to

@@ -72,6 +72,16 @@ impl RepositoryBackend for Postgres {
             .map_err(|e| Error::decode("", "claim_cutoff", e))?;
         let mut claim = Claim::empty(due.token, cutoff);
         claim.extend(&rows, Self::decode, |row| row.try_get("id").ok());
+        // A keyed row without a sequence is unordered (the claim's tests treat it so too).
+        let keys = rows
+            .iter()
+            .filter_map(|row| {
+                let key: Option<String> = row.try_get("ordering_key").ok()?;
+                let seq: Option<i64> = row.try_get("ordering_seq").ok()?;
+                Some((row.try_get("id").ok()?, key?, seq?))
+            })
+            .collect();
+        claim.order_runs(keys);
         Ok(claim)
     }
 

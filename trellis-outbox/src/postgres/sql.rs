@@ -166,10 +166,12 @@ pub struct PgOnly {
     ///
     /// `WHERE id = ANY(ARRAY(SELECT id …))`: the `ARRAY(…)` form makes the planner update the
     /// claimed rows through the primary key, where `id IN (SELECT …)` may become a hash join
-    /// over a full scan of the table. A keyed row is claimed only when it is its key's head
-    /// ([`head_test`](crate::sql::head_test)), so one claim never holds two rows of a key, and
-    /// the next row of a key becomes claimable only once the previous one is dispatched (or
-    /// dead under `skip_dead`). The claim commits with `synchronous_commit = off`, for
+    /// over a full scan of the table. A keyed row is claimed only together with every
+    /// row of its key ahead of it that still holds it back: the candidates pass
+    /// [`run_test`](crate::sql::run_test), and a candidate whose earlier rows did not all
+    /// become candidates too (one was locked by another claimer, or fell past the `LIMIT`) is
+    /// dropped. A claim thus holds a prefix of each key's open rows, which the engine
+    /// publishes one row of a key at a time, in `ordering_seq` order (returned for that). The claim commits with `synchronous_commit = off`, for
     /// that transaction only: a lease is bookkeeping, and losing one in a server crash only
     /// makes its rows claimable again, so the claim need not wait for the WAL flush.
     pub(crate) claim: std::sync::Arc<str>,
@@ -179,22 +181,28 @@ pub struct PgOnly {
 impl PgOnly {
     pub(crate) fn new(tables: &OutboxTables) -> Self {
         let o = tables.outbox();
-        // Only the heads of ordering keys (see `head_test`).
-        let head = crate::sql::head_test(o, o);
+        let run = crate::sql::run_test(o, o, "COALESCE($4, now())");
         Self {
             claim: format!(
                 "UPDATE {o} SET claimed_until = now() + make_interval(secs => $2), claim_token = $3, \
                  next_attempt_at = CASE WHEN $5 THEN now() + make_interval(secs => $2) \
                  ELSE next_attempt_at END, \
                  state = CASE WHEN $5 AND state = 'claimed' THEN 'pending' ELSE state END \
-                 WHERE id = ANY(ARRAY(SELECT id FROM {o} \
+                 WHERE id = ANY(ARRAY(WITH candidate AS MATERIALIZED (\
+                 SELECT id, ordering_key, ordering_seq FROM {o} \
                  WHERE state IN ({OPEN_STATES}) \
                  AND (next_attempt_at IS NULL OR next_attempt_at <= COALESCE($4, now())) \
                  AND (claimed_until IS NULL OR claimed_until <= now()) \
-                 AND {head} \
-                 ORDER BY created_at, id LIMIT $1 FOR UPDATE SKIP LOCKED)) \
+                 AND {run} \
+                 ORDER BY created_at, id LIMIT $1 FOR UPDATE SKIP LOCKED) \
+                 SELECT c.id FROM candidate AS c WHERE c.ordering_key IS NULL \
+                 OR NOT EXISTS (SELECT 1 FROM {o} AS ahead \
+                 WHERE ahead.ordering_key = c.ordering_key AND ahead.ordering_seq < c.ordering_seq \
+                 AND ahead.state <> 'dispatched' \
+                 AND (ahead.state <> 'dead' OR ahead.ordering_skip_dead IS NOT TRUE) \
+                 AND ahead.id NOT IN (SELECT held.id FROM candidate AS held)))) \
                  AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL \
-                 RETURNING {COLUMNS}, COALESCE($4, now()) AS claim_cutoff"
+                 RETURNING {COLUMNS}, ordering_key, ordering_seq, COALESCE($4, now()) AS claim_cutoff"
             )
             .into(),
         }

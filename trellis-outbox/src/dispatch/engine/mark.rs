@@ -45,6 +45,10 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             let mut dispatched_names: Vec<&str> = Vec::new();
             let mut failures: Vec<(&OutboxMessage, PublishError)> = Vec::new();
             for (message, result) in claim.messages.iter().zip(results) {
+                // Held back by its key (and released): not attempted.
+                let Some(result) = result else {
+                    continue;
+                };
                 match result {
                     Ok(outcome) => {
                         dispatched_names.push(&message.name);

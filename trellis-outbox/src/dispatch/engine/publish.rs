@@ -1,6 +1,7 @@
 //! The executor stage of a drain: runs the publisher on a claimed batch while keeping the
 //! batch's lease, so a row is never published by two holders at once.
 
+use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
@@ -8,7 +9,7 @@ use futures_util::FutureExt;
 use tokio::time::{Instant, sleep_until};
 use tracing::Instrument;
 
-use super::{Engine, Leased, Published, deadline};
+use super::{Engine, Leased, PublishResult, Published, deadline};
 use crate::dispatch::error::{DispatchError, panic_message};
 use crate::dispatch::publisher::{PublishError, Publisher};
 use crate::dispatch::repository::{Claim, OutboxRepository};
@@ -111,7 +112,7 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             };
             tokio::select! {
                 biased;
-                results = self.call_publisher(&claim.messages) => Ok(results),
+                results = self.publish_rounds(&claim) => Ok(results),
                 trouble = keeper => Err(trouble),
             }
         }
@@ -140,12 +141,86 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
         }
     }
 
+    /// Publishes a claim's messages round by round (one round unless the claim holds runs of
+    /// ordering keys, see `Claim::order_runs`): a message of a later round goes out only once
+    /// the row of its key ahead of it was published, so a key never has two rows in flight.
+    /// Messages held back by a failure are released, not attempted: `None` in the result.
+    async fn publish_rounds(&self, claim: &Claim) -> Vec<Option<PublishResult>> {
+        let messages = &claim.messages;
+        if claim.rounds.len() <= 1 {
+            return self
+                .call_publisher(messages)
+                .await
+                .into_iter()
+                .map(Some)
+                .collect();
+        }
+        let mut results: Vec<Option<PublishResult>> = Vec::with_capacity(messages.len());
+        let mut published: HashSet<&str> = HashSet::new();
+        let mut held = Vec::new();
+        let mut start = 0;
+        for &end in &claim.rounds {
+            let round = &messages[start..end];
+            start = end;
+            let go: Vec<bool> = round
+                .iter()
+                .map(|m| {
+                    claim
+                        .after
+                        .get(&m.id)
+                        .is_none_or(|ahead| published.contains(ahead.as_str()))
+                })
+                .collect();
+            let mut outcomes = if go.iter().all(|&go| go) {
+                self.call_publisher(round).await
+            } else {
+                let sending: Vec<OutboxMessage> = round
+                    .iter()
+                    .zip(&go)
+                    .filter(|(_, go)| **go)
+                    .map(|(m, _)| m.clone())
+                    .collect();
+                if sending.is_empty() {
+                    Vec::new()
+                } else {
+                    self.call_publisher(&sending).await
+                }
+            }
+            .into_iter();
+            for (message, go) in round.iter().zip(go) {
+                if !go {
+                    held.push(message.id.as_str());
+                    results.push(None);
+                    continue;
+                }
+                let outcome = outcomes.next();
+                if matches!(outcome, Some(Ok(_))) {
+                    published.insert(message.id.as_str());
+                }
+                results.push(outcome);
+            }
+        }
+        if !held.is_empty() {
+            match self.repo.release(claim, &held).await {
+                Ok(released) => {
+                    tracing::debug!(
+                        released,
+                        "released rows held back behind a failed row of their key"
+                    );
+                }
+                // They stay leased until their lease ends, then are claimed again.
+                Err(source) => self.emit(DispatchError::Repository {
+                    operation: "release rows held back by their ordering key",
+                    source,
+                }),
+            }
+        }
+        results
+    }
+
     /// Calls the publisher, turning a panic or a wrong number of results into per-message
     /// retryable errors.
-    async fn call_publisher(
-        &self,
-        messages: &[OutboxMessage],
-    ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
+    async fn call_publisher(&self, messages: &[OutboxMessage]) -> Vec<PublishResult> {
         let publishing = AssertUnwindSafe(self.publisher.publish_batch(messages)).catch_unwind();
         let started = std::time::Instant::now();
         let outcome = publishing.await;
