@@ -1,8 +1,6 @@
 //! The outbox data model: records to enqueue, stored messages, kinds and states.
 
 use std::collections::BTreeMap;
-use std::fmt;
-use std::str::FromStr;
 use std::sync::Mutex;
 
 use chrono::{DateTime, Utc};
@@ -35,16 +33,16 @@ macro_rules! wire_strings {
             }
         }
 
-        impl fmt::Display for $ty {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        impl ::std::fmt::Display for $ty {
+            fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
                 f.write_str(self.as_str())
             }
         }
 
-        impl FromStr for $ty {
-            type Err = Error;
+        impl ::std::str::FromStr for $ty {
+            type Err = $crate::Error;
 
-            fn from_str(s: &str) -> Result<Self> {
+            fn from_str(s: &str) -> ::std::result::Result<Self, $crate::Error> {
                 match s {
                     $($wire => Ok($ty::$variant),)+
                     other => Err($unknown(other.to_owned())),
@@ -183,104 +181,9 @@ with_record_content! {
     }
 }
 
-/// What the dispatcher does with the later rows of an ordering key whose head (its oldest
-/// undispatched row) has been given up on (`dead`).
-///
-/// ```
-/// use trellis_outbox::HeadOfLine;
-///
-/// assert_eq!(HeadOfLine::default(), HeadOfLine::Block);
-/// assert_eq!("skip_dead".parse::<HeadOfLine>()?, HeadOfLine::SkipDead);
-/// assert_eq!(HeadOfLine::Block.to_string(), "block");
-/// # Ok::<(), trellis_outbox::Error>(())
-/// ```
-#[derive(
-    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
-)]
-#[serde(rename_all = "snake_case")]
-#[non_exhaustive]
-pub enum HeadOfLine {
-    /// The key waits: nothing after a dead head is published until an operator retries it
-    /// (`OutboxRepository::retry`, `trellis-outbox retry`). `trellis-outbox status` lists
-    /// blocked keys. The default: order is never broken silently.
-    #[default]
-    Block,
-    /// A dead head no longer holds the key back: the rows after it are published, and the
-    /// dead row stays for inspection (retrying it later publishes it out of order).
-    SkipDead,
-}
+mod ordering;
 
-wire_strings! {
-    HeadOfLine, unknown: Error::UnknownHeadOfLine,
-    /// The policy's name: `block` or `skip_dead`.
-    Block => "block",
-    SkipDead => "skip_dead",
-}
-
-/// The longest ordering key accepted, in bytes.
-pub const MAX_ORDERING_KEY_BYTES: usize = 1024;
-
-/// The ordering key of a record and what happens when its key's head fails permanently.
-///
-/// Rows with the same key are published strictly in the order their transactions committed;
-/// the dispatcher never publishes a row while an earlier row of its key is pending, failed,
-/// in flight, or `dead` under [`HeadOfLine::Block`].
-///
-/// ```
-/// use trellis_outbox::{HeadOfLine, OrderingKey, PreparedOutboxRecord};
-///
-/// let record = PreparedOutboxRecord::event("Orders.Placed", "events.v1.Orders.Placed", &1)?
-///     .ordered_by("order-42");
-/// assert_eq!(record.ordering, Some(OrderingKey::new("order-42")));
-///
-/// let skipping = record.with_head_of_line(HeadOfLine::SkipDead);
-/// assert_eq!(skipping.ordering.unwrap().head_of_line, HeadOfLine::SkipDead);
-/// # Ok::<(), trellis_outbox::Error>(())
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub struct OrderingKey {
-    /// The key, e.g. an aggregate id. Not empty, no control characters, at most
-    /// [`MAX_ORDERING_KEY_BYTES`] bytes.
-    pub key: String,
-    /// The policy when the key's head is dead.
-    pub head_of_line: HeadOfLine,
-}
-
-impl OrderingKey {
-    /// `key` with the default policy, [`HeadOfLine::Block`].
-    pub fn new(key: impl Into<String>) -> Self {
-        Self {
-            key: key.into(),
-            head_of_line: HeadOfLine::Block,
-        }
-    }
-
-    /// `self` with `policy`.
-    #[must_use]
-    pub fn with_head_of_line(mut self, policy: HeadOfLine) -> Self {
-        self.head_of_line = policy;
-        self
-    }
-
-    /// Whether a dead head of this key lets later rows through (the stored flag).
-    pub(crate) fn skip_dead(&self) -> bool {
-        self.head_of_line == HeadOfLine::SkipDead
-    }
-
-    /// What is wrong with the key, if anything.
-    fn problem(&self) -> Option<&'static str> {
-        if self.key.is_empty() {
-            Some("is empty")
-        } else if self.key.len() > MAX_ORDERING_KEY_BYTES {
-            Some("is longer than 1024 bytes")
-        } else if self.key.chars().any(char::is_control) {
-            Some("contains control characters")
-        } else {
-            None
-        }
-    }
-}
+pub use ordering::{HeadOfLine, MAX_ORDERING_KEY_BYTES, OrderingKey};
 
 impl PreparedOutboxRecord {
     /// Builds an `event.publish` record the way Trellis prepares events (spec §C.1): a new
@@ -582,149 +485,4 @@ pub fn new_id() -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn record() -> PreparedOutboxRecord {
-        PreparedOutboxRecord::event("Thing.Changed", "events.v1.Thing.Changed", &1).unwrap()
-    }
-
-    #[test]
-    fn kinds_and_states_round_trip() {
-        for kind in [
-            OutboxRecordKind::EventPublish,
-            OutboxRecordKind::JobCreate,
-            OutboxRecordKind::JobSubmit,
-        ] {
-            assert_eq!(kind.as_str().parse::<OutboxRecordKind>().unwrap(), kind);
-            assert_eq!(serde_json::to_string(&kind).unwrap(), format!("\"{kind}\""));
-        }
-        for state in [
-            OutboxMessageState::Pending,
-            OutboxMessageState::Claimed,
-            OutboxMessageState::Dispatched,
-            OutboxMessageState::Failed,
-            OutboxMessageState::Dead,
-        ] {
-            assert_eq!(state.as_str().parse::<OutboxMessageState>().unwrap(), state);
-        }
-        assert!(matches!(
-            "frozen".parse::<OutboxMessageState>(),
-            Err(Error::UnknownState(s)) if s == "frozen"
-        ));
-        assert!(matches!(
-            "Event.Publish".parse::<OutboxRecordKind>(),
-            Err(Error::UnknownKind(_))
-        ));
-    }
-
-    #[test]
-    fn validation_names_the_field() {
-        type Mutation = fn(&mut PreparedOutboxRecord);
-        let cases: Vec<(Mutation, &str)> = vec![
-            (|r| r.id.clear(), "`id` is empty"),
-            (
-                |r| r.id = "a\nb".into(),
-                "`id` contains the control character",
-            ),
-            (
-                |r| r.id = "a\r\nb".into(),
-                "`id` contains the control character",
-            ),
-            (
-                |r| r.id = " a".into(),
-                "`id` starts or ends with whitespace",
-            ),
-            (
-                |r| r.subject = "$JS.API.STREAM.DELETE.x".into(),
-                "`subject` starts with the system token `$JS`",
-            ),
-            (
-                |r| r.subject = "$KV.bucket.key".into(),
-                "`subject` starts with the system token `$KV`",
-            ),
-            (|r| r.subject = "$SYS.REQ.x".into(), "system token `$SYS`"),
-            (
-                |r| r.subject = "_INBOX.x".into(),
-                "`subject` is in the `_INBOX` reply namespace",
-            ),
-            (
-                |r| {
-                    r.headers.insert("Nats-Rollup".into(), "all".into());
-                },
-                "`headers` \"Nats-Rollup\" is a NATS control header",
-            ),
-            (
-                |r| {
-                    r.headers
-                        .insert("nats-expected-last-sequence".into(), "1".into());
-                },
-                "\"nats-expected-last-sequence\" is a NATS control header",
-            ),
-            (
-                |r| {
-                    r.headers.insert("Nats-TTL".into(), "1s".into());
-                },
-                "\"Nats-TTL\" is a NATS control header",
-            ),
-            (|r| r.name.clear(), "`name` is empty"),
-            (|r| r.subject.clear(), "`subject` is empty"),
-            (
-                |r| r.subject = "a b".into(),
-                "`subject` contains whitespace",
-            ),
-            (
-                |r| r.subject = "a..b".into(),
-                "`subject` has an empty token",
-            ),
-            (|r| r.subject = "a.>".into(), "wildcard token `>`"),
-            (|r| r.payload = "{".into(), "`payload` is not valid JSON"),
-            (|r| r.payload = "{} x".into(), "`payload` is not valid JSON"),
-            (|r| r.payload = String::new(), "`payload` is not valid JSON"),
-            (
-                |r| {
-                    r.headers.insert("a b".into(), "v".into());
-                },
-                "`headers` name \"a b\"",
-            ),
-            (
-                |r| {
-                    r.headers.insert("a:b".into(), "v".into());
-                },
-                "`headers` name \"a:b\"",
-            ),
-            (
-                |r| {
-                    r.headers.insert(String::new(), "v".into());
-                },
-                "`headers` has an empty name",
-            ),
-            (
-                |r| {
-                    r.headers.insert("X".into(), "v\r\nY: z".into());
-                },
-                "line break",
-            ),
-        ];
-        for (mutate, expected) in cases {
-            let mut r = record();
-            mutate(&mut r);
-            let err = r.validate().unwrap_err();
-            assert!(
-                err.to_string().contains(expected),
-                "{err} does not contain {expected}"
-            );
-        }
-        record().validate().unwrap();
-        // The dedupe id header itself is allowed, in any letter case.
-        let mut r = record();
-        r.headers.insert("nats-msg-id".into(), r.id.clone());
-        r.validate().unwrap();
-    }
-
-    #[test]
-    fn ids_are_unique_and_ordered() {
-        let ids: Vec<String> = (0..1000).map(|_| new_id()).collect();
-        assert!(ids.windows(2).all(|w| w[0] < w[1]));
-    }
-}
+mod tests;
