@@ -86,6 +86,8 @@ struct Probe {
     log: Mutex<ClaimLog>,
     /// How long `next_due_in` takes.
     slow_due: Mutex<Duration>,
+    /// How often `next_due_in` was asked.
+    due_asks: AtomicUsize,
     /// Repository calls dropped before they finished (on a database, each costs the
     /// connection the call was using).
     cancelled: Arc<AtomicUsize>,
@@ -121,6 +123,7 @@ impl Probe {
             overlap: std::sync::atomic::AtomicBool::new(false),
             log: Mutex::new(Vec::new()),
             slow_due: Mutex::new(Duration::ZERO),
+            due_asks: AtomicUsize::new(0),
             cancelled: Arc::new(AtomicUsize::new(0)),
         })
     }
@@ -201,6 +204,7 @@ impl OutboxRepository for Probe {
 
     async fn next_due_in(&self) -> trellis_outbox::Result<Option<Duration>> {
         let running = self.running();
+        self.due_asks.fetch_add(1, Ordering::SeqCst);
         let slow = *self.slow_due.lock().unwrap();
         sleep(slow).await;
         let due = self.inner.next_due_in().await;
@@ -1159,8 +1163,8 @@ async fn a_notify_while_the_last_mark_runs_claims_at_once() {
 }
 
 /// A notify never drops a repository call in flight (on a database that would cost the
-/// call's connection, and the next call a new session): one that arrives while the drain's
-/// `next_due_in` runs is served right after it.
+/// call's connection, and the next call a new session), and one that arrives while the
+/// post-drain `next_due_in` runs still starts the next drain at once, without waiting for it.
 #[tokio::test(start_paused = true)]
 async fn a_notify_does_not_cancel_a_running_repository_call() {
     let inner = Arc::new(MemoryOutboxRepository::new());
@@ -1174,8 +1178,16 @@ async fn a_notify_does_not_cancel_a_running_repository_call() {
         .unwrap();
     for (n, id) in ["a", "b", "c", "d"].into_iter().enumerate() {
         inner.enqueue(&prepared(id)).unwrap();
+        let notified = Instant::now();
         dispatcher.notify();
         assert!(publisher.wait_for_attempts(n + 1, WAIT).await);
+        if n > 0 {
+            assert!(
+                notified.elapsed() < Duration::from_millis(40),
+                "{id} waited {:?} for the running next_due_in",
+                notified.elapsed()
+            );
+        }
         // The drain is over and its `next_due_in` is running: notify in the middle of it.
         sleep(Duration::from_millis(50)).await;
     }
@@ -1191,6 +1203,50 @@ async fn a_notify_does_not_cancel_a_running_repository_call() {
         0,
         "repository calls dropped before they finished"
     );
+}
+
+/// While notifies keep it draining, the dispatcher asks `next_due_in` about every 100 ms,
+/// not after every drain; a row that fails meanwhile is still retried when it is due.
+#[tokio::test(start_paused = true)]
+async fn a_busy_dispatcher_asks_for_the_next_due_time_now_and_then() {
+    let inner = Arc::new(MemoryOutboxRepository::new());
+    let probe = Probe::new(inner.clone());
+    probe.overlap.store(true, Ordering::SeqCst);
+    let publisher = RecordingPublisher::new();
+    publisher.fail_times("r100", 1, "broker busy");
+    let dispatcher = OutboxDispatcher::builder(probe.clone(), publisher.clone())
+        .idle_interval(LONG)
+        .retry_policy(no_jitter(Duration::from_millis(250)))
+        .start()
+        .unwrap();
+    let started = Instant::now();
+    // One row every 2 ms for a second.
+    for n in 0..500 {
+        inner.enqueue(&prepared(&format!("r{n}"))).unwrap();
+        dispatcher.notify();
+        sleep(Duration::from_millis(2)).await;
+    }
+    assert!(
+        eventually(
+            || (0..500).all(|n| state(&inner, &format!("r{n}")) == OutboxMessageState::Dispatched)
+        )
+        .await
+    );
+    let asks = probe.due_asks.load(Ordering::SeqCst);
+    assert!(
+        (5..=25).contains(&asks),
+        "next_due_in asked {asks} times in about a second"
+    );
+    // r100 failed about 200 ms in; it went out again 250 ms later, not at the next poll.
+    let times = publisher.attempt_times("r100");
+    assert_eq!(times.len(), 2);
+    let waited = times[1] - times[0];
+    assert!(
+        waited >= Duration::from_millis(250) && waited < Duration::from_millis(300),
+        "retried after {waited:?}"
+    );
+    assert!(times[0] - started < Duration::from_millis(250));
+    dispatcher.shutdown().await;
 }
 
 #[tokio::test(start_paused = true)]

@@ -168,7 +168,7 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
         let (wake_tx, wake_rx) = mpsc::channel(1);
         let cancel = CancellationToken::new();
         let worker = Worker {
-            repo: self.repository,
+            repo: Arc::new(self.repository),
             publisher: self.publisher,
             options: self.options,
             debounce: self.debounce.min(self.max_wait),
@@ -244,8 +244,9 @@ impl DispatcherHandle {
 ///
 /// - Drains once at start, then whenever [`notify`](Self::notify)d (with an optional
 ///   debounce bounded by a maximum wait), when the earliest failed row becomes due again
-///   (the retry timer is re-armed from [`OutboxRepository::next_due_in`] after every drain),
-///   and every `idle_interval` as a safety net.
+///   (the retry timer is re-armed from [`OutboxRepository::next_due_in`] after a drain, at
+///   most every 100 ms while drains keep finding rows, and from the rows a drain failed
+///   itself), and every `idle_interval` as a safety net.
 /// - A drain claims batch after batch under a lease until a claim comes back empty. A row
 ///   that fails during a drain is not retried within it.
 /// - Only one claim is ever in flight per dispatcher. Several dispatchers (in one process or

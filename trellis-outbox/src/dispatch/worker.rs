@@ -6,6 +6,7 @@
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt;
@@ -22,7 +23,8 @@ use crate::dispatch::retry::MIN_RETRY_DELAY;
 
 /// The dispatcher task.
 pub(super) struct Worker<R, P> {
-    pub(super) repo: R,
+    /// Shared with the task that asks for the next due time.
+    pub(super) repo: Arc<R>,
     pub(super) publisher: P,
     pub(super) options: DispatchOptions,
     pub(super) debounce: Duration,
@@ -59,6 +61,18 @@ impl Retention {
     }
 }
 
+/// How often a busy dispatcher asks [`OutboxRepository::next_due_in`] at most: in between,
+/// notified drains take the due rows.
+const DUE_ASK_EVERY: Duration = Duration::from_millis(100);
+
+/// What one drain did.
+struct Drained {
+    /// How many rows it claimed.
+    claimed: u64,
+    /// When the earliest row it failed is due again.
+    retry_at: Option<Instant>,
+}
+
 /// Why the worker's wait ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Wake {
@@ -66,7 +80,7 @@ enum Wake {
     Drain,
 }
 
-impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
+impl<R: OutboxRepository + 'static, P: Publisher> Worker<R, P> {
     pub(super) async fn run(mut self) {
         tracing::debug!("outbox dispatcher started");
         if !self.start_up().await {
@@ -76,10 +90,28 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
         let mut errors: u32 = 0;
         // Consecutive drains that claimed nothing although the repository said a row was due.
         let mut idle_due: u32 = 0;
+        // When `next_due_in` was last asked.
+        let mut due_asked: Option<Instant> = None;
         loop {
             let claimed = match guarded("repository", self.drain()).await {
-                Ok(claimed) => {
+                Ok(Drained { claimed, retry_at }) => {
                     errors = 0;
+                    // Busy (this drain found rows, and the due time was asked a moment ago):
+                    // notifies keep draining, and a drain takes every row that is due, so
+                    // asking again after each drain would only double the queries. The timer
+                    // goes to the earliest row this drain failed, or to when it is time to
+                    // ask again.
+                    if let Some(asked) =
+                        due_asked.filter(|at| claimed > 0 && at.elapsed() < DUE_ASK_EVERY)
+                    {
+                        let ask_at = deadline(asked, DUE_ASK_EVERY);
+                        let at = retry_at.map_or(ask_at, |retry| retry.min(ask_at));
+                        if self.wait(Some(at), false).await == Wake::Stop {
+                            break;
+                        }
+                        continue;
+                    }
+                    due_asked = Some(Instant::now());
                     Some(claimed)
                 }
                 Err(error) => {
@@ -93,11 +125,28 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
             }
             self.purge_if_due().await;
             self.report_backlog_if_due().await;
-            // Run to its end even if a notify arrives meanwhile (the wait below then drains
-            // at once): a query dropped mid-flight costs its connection, and the pool's next
-            // connection pays for a new session and re-parsed statements.
             let due = match claimed {
-                Some(claimed) => Some((claimed, next_due_in(&self.repo).await)),
+                Some(claimed) => {
+                    // On a task of its own, so a notify can start the next drain without
+                    // dropping the query mid-flight (that would cost its connection, and the
+                    // pool's next one a new session with every statement parsed again).
+                    let repo = Arc::clone(&self.repo);
+                    let mut asking = tokio::spawn(async move { next_due_in(&*repo).await });
+                    tokio::select! {
+                        biased;
+                        // Committed meanwhile: drain now (unless notifies are debounced); the
+                        // query ends on its own, its answer stale. The timer is armed after
+                        // that drain.
+                        Some(()) = self.wake.recv(), if self.debounce.is_zero() => continue,
+                        due = &mut asking => Some((claimed, due.unwrap_or_else(|stopped| {
+                            match stopped.try_into_panic() {
+                                Ok(panic) => Err(DispatchError::panicked("repository", &*panic)),
+                                // The runtime is shutting down.
+                                Err(_) => Ok(None),
+                            }
+                        }))),
+                    }
+                }
                 None => None,
             };
             let retry_at = match due {
@@ -226,11 +275,10 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
         }
     }
 
-    /// One drain: passes of waves until no notify arrived during the last pass. Returns how
-    /// many rows were claimed.
-    async fn drain(&mut self) -> Result<u64, DispatchError> {
+    /// One drain: passes of waves until no notify arrived during the last pass.
+    async fn drain(&mut self) -> Result<Drained, DispatchError> {
         let engine = Engine {
-            repo: &self.repo,
+            repo: &*self.repo,
             publisher: &self.publisher,
             options: &self.options,
             on_error: self.on_error.as_deref(),
@@ -270,7 +318,10 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
                 "outbox drained"
             );
         }
-        Ok(claimed)
+        Ok(Drained {
+            claimed,
+            retry_at: wave.retry_at,
+        })
     }
 
     /// Waits for the next reason to drain: the retry timer, the idle poll, or a notify
