@@ -1,13 +1,14 @@
 //! Dispatching: claiming committed rows and delivering them exactly once.
 //!
 //! - `repository.rs`, `publisher.rs`: the two traits a dispatcher runs over (storage and
-//!   delivery); `memory.rs` is the in-memory repository.
+//!   delivery); `claim.rs`: what a claim holds; `memory.rs` is the in-memory repository.
 //! - `options.rs`: what one drain may do, and what it did; `retry.rs`: the retry policy.
 //! - `engine.rs`: one drain — claim, then `engine/publish.rs` under the lease, then
 //!   `engine/mark.rs` — used by [`dispatch_outbox`] and by every drain of the task.
 //! - `worker.rs`: when the task drains; `dispatcher.rs`: building, waking and stopping it.
 //! - `error.rs`: what goes wrong and how it is reported.
 
+mod claim;
 mod dispatcher;
 mod engine;
 mod error;

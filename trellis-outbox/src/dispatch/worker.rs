@@ -80,7 +80,7 @@ enum Wake {
     Drain,
 }
 
-impl<R: OutboxRepository + 'static, P: Publisher> Worker<R, P> {
+impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
     pub(super) async fn run(mut self) {
         tracing::debug!("outbox dispatcher started");
         if !self.start_up().await {
