@@ -20,7 +20,7 @@ use crate::dispatch::publisher::Publisher;
 use crate::dispatch::repository::OutboxRepository;
 #[cfg(doc)]
 use crate::dispatch::retry::RetryPolicy;
-use crate::dispatch::worker::{Retention, Worker};
+use crate::dispatch::worker::{Retention, Timing, Worker};
 
 /// How often a dispatcher reports the backlog gauges, by default.
 pub const DEFAULT_BACKLOG_EVERY: Duration = Duration::from_secs(15);
@@ -171,9 +171,11 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
             repo: Arc::new(self.repository),
             publisher: self.publisher,
             options: self.options,
-            debounce: self.debounce.min(self.max_wait),
-            max_wait: self.max_wait,
-            idle_interval: self.idle_interval,
+            timing: Timing {
+                debounce: self.debounce.min(self.max_wait),
+                max_wait: self.max_wait,
+                idle_interval: self.idle_interval,
+            },
             on_error: self.on_error.clone(),
             cancel: cancel.clone(),
             wake: wake_rx,

@@ -27,16 +27,25 @@ pub(super) struct Worker<R, P> {
     pub(super) repo: Arc<R>,
     pub(super) publisher: P,
     pub(super) options: DispatchOptions,
-    pub(super) debounce: Duration,
-    pub(super) max_wait: Duration,
-    pub(super) idle_interval: Duration,
+    pub(super) timing: Timing,
     pub(super) on_error: Option<ErrorCallback>,
     pub(super) cancel: CancellationToken,
+    /// Notifies from the handle (a one-slot channel: they coalesce).
     pub(super) wake: mpsc::Receiver<()>,
     /// Deleting old dispatched rows, if asked for.
     pub(super) retention: Option<Retention>,
     /// Reporting the backlog gauges: how often, and when next.
     pub(super) backlog: Option<(Duration, Instant)>,
+}
+
+/// When the task drains besides notifies and retry timers.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Timing {
+    /// How long a notify waits for more before draining, at most `max_wait` in all.
+    pub(super) debounce: Duration,
+    pub(super) max_wait: Duration,
+    /// The safety-net poll.
+    pub(super) idle_interval: Duration,
 }
 
 /// [`DispatcherBuilder::retain_dispatched`](crate::DispatcherBuilder::retain_dispatched): how
@@ -137,7 +146,7 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
                         // Committed meanwhile: drain now (unless notifies are debounced); the
                         // query ends on its own, its answer stale. The timer is armed after
                         // that drain.
-                        Some(()) = self.wake.recv(), if self.debounce.is_zero() => continue,
+                        Some(()) = self.wake.recv(), if self.timing.debounce.is_zero() => continue,
                         due = &mut asking => Some((claimed, due.unwrap_or_else(|stopped| {
                             match stopped.try_into_panic() {
                                 Ok(panic) => Err(DispatchError::panicked("repository", &*panic)),
@@ -333,7 +342,7 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
                 None => std::future::pending().await,
             }
         });
-        let idle = sleep_until(deadline(Instant::now(), self.idle_interval));
+        let idle = sleep_until(deadline(Instant::now(), self.timing.idle_interval));
         tokio::select! {
             biased;
             () = self.cancel.cancelled() => return Wake::Stop,
@@ -341,12 +350,12 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
             () = idle => return Wake::Drain,
             Some(()) = self.wake.recv(), if !backing_off => {}
         }
-        if self.debounce.is_zero() {
+        if self.timing.debounce.is_zero() {
             return Wake::Drain;
         }
         let first = Instant::now();
-        let latest = deadline(first, self.max_wait);
-        let mut at = deadline(first, self.debounce).min(latest);
+        let latest = deadline(first, self.timing.max_wait);
+        let mut at = deadline(first, self.timing.debounce).min(latest);
         loop {
             tokio::select! {
                 biased;
@@ -355,7 +364,7 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
                 () = &mut retry => return Wake::Drain,
                 () = sleep_until(at) => return Wake::Drain,
                 Some(()) = self.wake.recv() => {
-                    at = deadline(Instant::now(), self.debounce).min(latest);
+                    at = deadline(Instant::now(), self.timing.debounce).min(latest);
                 }
             }
         }
