@@ -84,11 +84,9 @@ pub struct Claim {
     pub messages: Vec<OutboxMessage>,
     /// Claimed rows that could not be decoded.
     pub poisoned: Vec<PoisonRow>,
-    /// Where each publish round ends in `messages`, when the claim holds more than one row
-    /// of an ordering key ([`Claim::order_runs`]); empty: one round.
-    pub(crate) rounds: Vec<usize>,
-    /// For a message in a later round: the id of the row of its key just ahead of it, which
-    /// must have been published before it may be.
+    /// For a row behind another row of its ordering key in this claim: the id of the row
+    /// just ahead of it, which must have been published before it may be
+    /// ([`Claim::order_runs`]); empty: every message may go at once.
     pub(crate) after: HashMap<String, String>,
 }
 
@@ -100,7 +98,6 @@ impl Claim {
             cutoff,
             messages: Vec::new(),
             poisoned: Vec::new(),
-            rounds: Vec::new(),
             after: HashMap::new(),
         }
     }
@@ -160,13 +157,8 @@ impl Claim {
             return;
         }
         let rank_of = |message: &OutboxMessage| rank.get(&message.id).copied().unwrap_or(0);
-        // Stable: each round stays in dispatch order.
+        // Stable, so each round stays in dispatch order, and next to each other.
         self.messages.sort_by_key(rank_of);
-        let ranks: Vec<usize> = self.messages.iter().map(rank_of).collect();
-        let last = ranks.last().copied().unwrap_or(0);
-        self.rounds = (0..=last)
-            .map(|round| ranks.partition_point(|&rank| rank <= round))
-            .collect();
     }
 
     /// Adds one decoded row: to [`Claim::messages`] if it may be sent to NATS, otherwise to

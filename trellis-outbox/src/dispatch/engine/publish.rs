@@ -147,7 +147,7 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
     /// Messages held back by a failure are released, not attempted: `None` in the result.
     async fn publish_rounds(&self, claim: &Claim) -> Vec<Option<PublishResult>> {
         let messages = &claim.messages;
-        if claim.rounds.len() <= 1 {
+        if claim.after.is_empty() {
             return self
                 .call_publisher(messages)
                 .await
@@ -155,51 +155,39 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 .map(Some)
                 .collect();
         }
-        let mut results: Vec<Option<PublishResult>> = Vec::with_capacity(messages.len());
+        let mut results: Vec<Option<PublishResult>> = messages.iter().map(|_| None).collect();
+        // Decided rows (published or failed): a row goes once the row ahead of it was
+        // published. Rows whose row ahead failed, or is not in the claim as a message (it was
+        // poisoned), are held.
         let mut published: HashSet<&str> = HashSet::new();
-        let mut held = Vec::new();
-        let mut start = 0;
-        for &end in &claim.rounds {
-            let round = &messages[start..end];
-            start = end;
-            let go: Vec<bool> = round
-                .iter()
-                .map(|m| {
-                    claim
-                        .after
-                        .get(&m.id)
-                        .is_none_or(|ahead| published.contains(ahead.as_str()))
-                })
-                .collect();
-            let mut outcomes = if go.iter().all(|&go| go) {
-                self.call_publisher(round).await
+        let mut waiting: Vec<usize> = (0..messages.len()).collect();
+        loop {
+            let (ready, rest): (Vec<usize>, Vec<usize>) = waiting.iter().partition(|&&i| {
+                claim
+                    .after
+                    .get(&messages[i].id)
+                    .is_none_or(|ahead| published.contains(ahead.as_str()))
+            });
+            let Some((&first, &last)) = ready.first().zip(ready.last()) else {
+                break;
+            };
+            waiting = rest;
+            // `Claim::order_runs` put each round next to each other: no copy then.
+            let outcomes = if last - first + 1 == ready.len() {
+                self.call_publisher(&messages[first..=last]).await
             } else {
-                let sending: Vec<OutboxMessage> = round
-                    .iter()
-                    .zip(&go)
-                    .filter(|(_, go)| **go)
-                    .map(|(m, _)| m.clone())
-                    .collect();
-                if sending.is_empty() {
-                    Vec::new()
-                } else {
-                    self.call_publisher(&sending).await
+                let round: Vec<OutboxMessage> =
+                    ready.iter().map(|&i| messages[i].clone()).collect();
+                self.call_publisher(&round).await
+            };
+            for (&i, outcome) in ready.iter().zip(outcomes) {
+                if outcome.is_ok() {
+                    published.insert(messages[i].id.as_str());
                 }
-            }
-            .into_iter();
-            for (message, go) in round.iter().zip(go) {
-                if !go {
-                    held.push(message.id.as_str());
-                    results.push(None);
-                    continue;
-                }
-                let outcome = outcomes.next();
-                if matches!(outcome, Some(Ok(_))) {
-                    published.insert(message.id.as_str());
-                }
-                results.push(outcome);
+                results[i] = Some(outcome);
             }
         }
+        let held: Vec<&str> = waiting.iter().map(|&i| messages[i].id.as_str()).collect();
         if !held.is_empty() {
             match self.repo.release(claim, &held).await {
                 Ok(released) => {
