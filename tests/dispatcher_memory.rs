@@ -162,7 +162,7 @@ impl OutboxRepository for Probe {
                 "database is down".into(),
             ))
         } else {
-            self.inner.claim(request).await
+            self.inner.claim(request.clone()).await
         };
         if let Ok(claim) = &result {
             let ids = claim.messages.iter().map(|m| m.id.clone()).collect();

@@ -12,9 +12,9 @@ use rand::RngExt;
 use rand::seq::SliceRandom;
 use serde_json::json;
 use trellis_outbox::{
-    DispatchOptions, HeadOfLine, JetStreamPublisher, OutboxDispatcher, OutboxRepository,
-    OutboxTransactionExt, PgOutboxRepository, PreparedOutboxRecord, RetryOutcome, RetryPolicy,
-    SqliteOutboxRepository, dispatch_outbox, migrate,
+    ClaimRequest, DispatchOptions, HeadOfLine, JetStreamPublisher, OutboxDispatcher,
+    OutboxRepository, OutboxTransactionExt, PgOutboxRepository, PreparedOutboxRecord, RetryOutcome,
+    RetryPolicy, SqliteOutboxRepository, dispatch_outbox, migrate,
 };
 use trellis_outbox_tests::crash::{TablePublisher, run_child_dispatcher, spawn_child};
 use trellis_outbox_tests::nats::{TestStream, jetstream};
@@ -563,6 +563,33 @@ async fn a_claim_publishes_a_run_of_a_key_one_row_at_a_time_on_postgres() {
         .filter(|id| [&ids["a0"], &ids["a1"], &ids["a2"]].contains(&id))
         .collect();
     assert_eq!(a, [ids["a0"].clone(), ids["a1"].clone(), ids["a2"].clone()]);
+    db.close().await;
+}
+
+/// `ClaimRequest::published`: rows the claimer published and is still marking count as
+/// dispatched, so a claim made while their marks run may take the rows behind them; without
+/// it the rows behind a leased row wait.
+#[tokio::test]
+async fn a_claim_takes_the_rows_behind_published_rows_still_being_marked() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let ids = head_of_line_rows(&db.pool, HeadOfLine::Block).await;
+    let repo = PgOutboxRepository::new(db.pool.clone());
+    let lease = Duration::from_secs(30);
+    let claimed = |claim: &trellis_outbox::Claim| -> Vec<String> {
+        claim.messages.iter().map(|m| m.id.clone()).collect()
+    };
+    let first = repo.claim(ClaimRequest::new(2, lease)).await.unwrap();
+    assert_eq!(claimed(&first), [ids["a0"].clone(), ids["b0"].clone()]);
+    // a0 and b0 are leased: nothing of their keys may be claimed.
+    let blocked = repo.claim(ClaimRequest::new(10, lease)).await.unwrap();
+    assert!(blocked.is_empty(), "{:?}", claimed(&blocked));
+    // a0 was published and is being marked: a1 and a2 may go; b waits behind b0.
+    let next = repo
+        .claim(ClaimRequest::new(10, lease).published(vec![ids["a0"].clone()]))
+        .await
+        .unwrap();
+    assert_eq!(claimed(&next), [ids["a1"].clone(), ids["a2"].clone()]);
     db.close().await;
 }
 

@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -78,6 +79,8 @@ pub(crate) mod sealed {
         pub limit: i64,
         pub lease: Duration,
         pub cutoff: Option<DateTime<Utc>>,
+        /// Keyed rows published and being marked by the claimer ([`ClaimRequest::published`]).
+        pub published: Arc<[String]>,
     }
 
     impl ClaimDue {
@@ -87,6 +90,7 @@ pub(crate) mod sealed {
                 limit: i64::try_from(request.limit).unwrap_or(i64::MAX),
                 lease: request.lease,
                 cutoff: request.cutoff,
+                published: request.published,
             }
         }
 

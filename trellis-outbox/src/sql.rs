@@ -35,13 +35,15 @@ pub(crate) fn head_test(o: &str, candidate: &str) -> String {
 /// is itself claimable now (open, due by `cutoff`, not leased) **and** comes before it in
 /// claim order (`created_at`, `id`). So a key's claimable rows enter a claim as a prefix of
 /// the key, and the first candidate in claim order always has nothing ahead of it but rows
-/// another claimer has locked: the claim makes progress whatever the `LIMIT`.
-pub(crate) fn run_test(o: &str, candidate: &str, cutoff: &str) -> String {
+/// another claimer has locked: the claim makes progress whatever the `LIMIT`. Rows in the
+/// array `published` (published by the claimer, their marks still running) count as
+/// dispatched.
+pub(crate) fn run_test(o: &str, candidate: &str, cutoff: &str, published: &str) -> String {
     format!(
         "({candidate}.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {o} AS ahead \
          WHERE ahead.ordering_key = {candidate}.ordering_key \
          AND ahead.ordering_seq < {candidate}.ordering_seq \
-         AND ahead.state <> 'dispatched' \
+         AND ahead.state <> 'dispatched' AND ahead.id NOT IN (SELECT unnest({published})) \
          AND (ahead.state <> 'dead' OR ahead.ordering_skip_dead IS NOT TRUE) \
          AND NOT (ahead.state IN ({OPEN_STATES}) \
          AND (ahead.next_attempt_at IS NULL OR ahead.next_attempt_at <= {cutoff}) \

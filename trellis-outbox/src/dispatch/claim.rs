@@ -1,7 +1,8 @@
 //! What a claim asks for and what it holds: [`ClaimRequest`], [`Claim`] (its rows, decoded
 //! or poisoned, in dispatch order and, for runs of ordering keys, in publish rounds).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -36,7 +37,7 @@ pub struct PoisonRow {
 /// assert_eq!(request.limit, 100);
 /// assert_eq!(request.cutoff, None);
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ClaimRequest {
     /// The most rows to claim.
@@ -46,6 +47,10 @@ pub struct ClaimRequest {
     /// The due cutoff, on the repository's clock; `None` means its current time. Pass the
     /// previous claim's [`Claim::cutoff`] to stay in one drain wave.
     pub cutoff: Option<DateTime<Utc>>,
+    /// Keyed rows the caller has published (acknowledged) and is still marking: for per-key
+    /// ordering they count as dispatched, so the claim may take the rows behind them. A
+    /// repository that claims only heads may ignore it.
+    pub published: Arc<[String]>,
 }
 
 impl ClaimRequest {
@@ -55,7 +60,15 @@ impl ClaimRequest {
             limit,
             lease,
             cutoff: None,
+            published: Arc::from([]),
         }
+    }
+
+    /// The same claim, taking the rows behind `ids` (keyed rows published and being marked).
+    #[must_use]
+    pub fn published(mut self, ids: impl Into<Arc<[String]>>) -> Self {
+        self.published = ids.into();
+        self
     }
 
     /// The same claim with a due cutoff (`None`: the repository's current time).
@@ -88,6 +101,8 @@ pub struct Claim {
     /// just ahead of it, which must have been published before it may be
     /// ([`Claim::order_runs`]); empty: every message may go at once.
     pub(crate) after: HashMap<String, String>,
+    /// The ids of the keyed rows of the claim.
+    pub(crate) keyed: HashSet<String>,
 }
 
 impl Claim {
@@ -99,6 +114,7 @@ impl Claim {
             messages: Vec::new(),
             poisoned: Vec::new(),
             after: HashMap::new(),
+            keyed: HashSet::new(),
         }
     }
 
@@ -143,6 +159,7 @@ impl Claim {
     pub(crate) fn order_runs(&mut self, keys: Vec<(String, String, i64)>) {
         let mut by_key: HashMap<String, Vec<(i64, String)>> = HashMap::new();
         for (id, key, seq) in keys {
+            self.keyed.insert(id.clone());
             by_key.entry(key).or_default().push((seq, id));
         }
         let mut rank: HashMap<String, usize> = HashMap::new();

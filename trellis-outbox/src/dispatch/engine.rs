@@ -9,7 +9,9 @@
 mod mark;
 mod publish;
 
+use std::collections::HashSet;
 use std::pin::pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -25,7 +27,7 @@ use crate::dispatch::OutboxDispatcher;
 use crate::dispatch::error::{DispatchError, report_error};
 use crate::dispatch::options::{DispatchOptions, DispatchReport};
 use crate::dispatch::publisher::{PublishError, Publisher};
-use crate::dispatch::repository::{Claim, OutboxRepository};
+use crate::dispatch::repository::{Claim, ClaimRequest, OutboxRepository};
 use crate::metrics;
 
 /// Drains the outbox once: claims due rows batch after batch, publishes them, and marks
@@ -106,10 +108,38 @@ pub(super) struct Wave {
     pub(super) claimed: u64,
     /// When the earliest row that failed during the wave is due again (tokio clock).
     pub(super) retry_at: Option<Instant>,
+    /// Keyed rows published whose marks are still running: claims may take the rows behind
+    /// them ([`ClaimRequest::published`](crate::ClaimRequest::published)).
+    pub(super) settled: HashSet<String>,
 }
 
 impl Wave {
-    fn absorb(&mut self, marked: Marked) {
+    /// Notes the keyed rows of `published` that were published, until their mark ends.
+    fn settling(&mut self, published: &Published) -> Vec<String> {
+        let Some(results) = &published.results else {
+            return Vec::new();
+        };
+        let claim = &published.claim;
+        let ids: Vec<String> = claim
+            .messages
+            .iter()
+            .zip(results)
+            .filter(|(m, result)| matches!(result, Some(Ok(_))) && claim.keyed.contains(&m.id))
+            .map(|(m, _)| m.id.clone())
+            .collect();
+        self.settled.extend(ids.iter().cloned());
+        ids
+    }
+
+    /// The rows [`settling`](Self::settling) noted, for a claim.
+    fn published(&self) -> Arc<[String]> {
+        self.settled.iter().cloned().collect()
+    }
+
+    fn absorb(&mut self, (marked, settled): (Marked, Vec<String>)) {
+        for id in &settled {
+            self.settled.remove(id);
+        }
         self.report.add(marked.report);
         if let Some(at) = marked.retry_at {
             earliest(&mut self.retry_at, at);
@@ -182,7 +212,7 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
         if self.cancelled() {
             return Ok(());
         }
-        let first = self.claim(wave.cutoff).await?;
+        let first = self.claim(wave.cutoff, wave.published()).await?;
         wave.cutoff = Some(first.claim.cutoff);
         let mut current = Some(first).filter(|leased| !leased.claim.is_empty());
         if !self.repo.overlaps_batches() {
@@ -196,7 +226,8 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 let published = self.publish(leased, span).await;
                 self.mark_into(wave, published).await;
                 if !self.cancelled() {
-                    current = Some(self.claim(wave.cutoff).await?).filter(|l| !l.claim.is_empty());
+                    current = Some(self.claim(wave.cutoff, wave.published()).await?)
+                        .filter(|l| !l.claim.is_empty());
                 }
             }
             return Ok(());
@@ -222,7 +253,7 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 if !notified {
                     continue;
                 }
-                let mut claiming = pin!(self.claim(wave.cutoff));
+                let mut claiming = pin!(self.claim(wave.cutoff, wave.published()));
                 let next = loop {
                     tokio::select! {
                         biased;
@@ -242,12 +273,12 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             }
             wave.claimed += leased.claim.len() as u64;
             let span = batch_span(&leased.claim);
-            let cutoff = wave.cutoff;
+            let (cutoff, settled) = (wave.cutoff, wave.published());
             let claim_next = async {
                 if self.cancelled() {
                     None
                 } else {
-                    Some(self.claim(cutoff).await)
+                    Some(self.claim(cutoff, settled).await)
                 }
             };
             let mut stages = pin!(async { tokio::join!(self.publish(leased, span), claim_next) });
@@ -263,7 +294,8 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                     wave.absorb(marked);
                 }
             }
-            marks.push(self.mark(published));
+            let settled = wave.settling(&published);
+            marks.push(async { (self.mark(published).await, settled) });
             match next {
                 Some(Ok(next)) => current = Some(next).filter(|l| !l.claim.is_empty()),
                 // Marks still finish below before the wave gives up.
@@ -278,12 +310,19 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
     }
 
     /// Claims one batch.
-    async fn claim(&self, cutoff: Option<DateTime<Utc>>) -> Result<Leased, DispatchError> {
+    async fn claim(
+        &self,
+        cutoff: Option<DateTime<Utc>>,
+        published: Arc<[String]>,
+    ) -> Result<Leased, DispatchError> {
         let started = Instant::now();
         let timer = std::time::Instant::now();
+        let request = ClaimRequest::new(self.options.batch_size, self.options.lease)
+            .cutoff(cutoff)
+            .published(published);
         let claim = self
             .repo
-            .claim_due(self.options.batch_size, self.options.lease, cutoff)
+            .claim(request)
             .instrument(tracing::debug_span!(
                 "outbox_claim",
                 limit = self.options.batch_size

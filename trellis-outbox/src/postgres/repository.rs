@@ -61,6 +61,7 @@ impl RepositoryBackend for Postgres {
             .bind(&due.token)
             .bind(due.cutoff)
             .bind(on.beside_upstream)
+            .bind(&*due.published)
             .fetch_all(on.pool)
             .await
             .map_err(Error::repository("claim"))?;

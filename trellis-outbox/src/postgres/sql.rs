@@ -159,7 +159,8 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
 #[derive(Debug)]
 #[cfg(feature = "postgres")]
 pub struct PgOnly {
-    /// $1 limit, $2 lease in seconds, $3 token, $4 cutoff or NULL (now), $5 whether to write
+    /// $1 limit, $2 lease in seconds, $3 token, $4 cutoff or NULL (now), $6 the keyed rows the
+    /// claimer published and is marking (count as dispatched), $5 whether to write
     /// upstream Trellis' lease too (`next_attempt_at`, and `claimed` back to `pending`;
     /// assigning a column its own value keeps the update HOT). Returns [`COLUMNS`] and the
     /// cutoff used.
@@ -181,7 +182,7 @@ pub struct PgOnly {
 impl PgOnly {
     pub(crate) fn new(tables: &OutboxTables) -> Self {
         let o = tables.outbox();
-        let run = crate::sql::run_test(o, o, "COALESCE($4, now())");
+        let run = crate::sql::run_test(o, o, "COALESCE($4, now())", "$6::text[]");
         Self {
             claim: format!(
                 "UPDATE {o} SET claimed_until = now() + make_interval(secs => $2), claim_token = $3, \
@@ -198,7 +199,7 @@ impl PgOnly {
                  SELECT c.id FROM candidate AS c WHERE c.ordering_key IS NULL \
                  OR NOT EXISTS (SELECT 1 FROM {o} AS ahead \
                  WHERE ahead.ordering_key = c.ordering_key AND ahead.ordering_seq < c.ordering_seq \
-                 AND ahead.state <> 'dispatched' \
+                 AND ahead.state <> 'dispatched' AND ahead.id NOT IN (SELECT unnest($6::text[])) \
                  AND (ahead.state <> 'dead' OR ahead.ordering_skip_dead IS NOT TRUE) \
                  AND ahead.id NOT IN (SELECT held.id FROM candidate AS held)))) \
                  AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL \

@@ -20,7 +20,7 @@ const REPORTED_IDS: usize = 10;
 impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
     /// Marks a published batch and adds the outcome to the wave.
     pub(super) async fn mark_into(&self, wave: &mut Wave, published: Published) {
-        wave.absorb(self.mark(published).await);
+        wave.absorb((self.mark(published).await, Vec::new()));
     }
 
     /// Records the outcome of a published batch: published rows `dispatched` first, then
