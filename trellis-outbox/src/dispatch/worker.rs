@@ -102,26 +102,10 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
         // When `next_due_in` was last asked.
         let mut due_asked: Option<Instant> = None;
         loop {
-            let claimed = match guarded("repository", self.drain()).await {
-                Ok(Drained { claimed, retry_at }) => {
+            let drained = match guarded("repository", self.drain()).await {
+                Ok(drained) => {
                     errors = 0;
-                    // Busy (this drain found rows, and the due time was asked a moment ago):
-                    // notifies keep draining, and a drain takes every row that is due, so
-                    // asking again after each drain would only double the queries. The timer
-                    // goes to the earliest row this drain failed, or to when it is time to
-                    // ask again.
-                    if let Some(asked) =
-                        due_asked.filter(|at| claimed > 0 && at.elapsed() < DUE_ASK_EVERY)
-                    {
-                        let ask_at = deadline(asked, DUE_ASK_EVERY);
-                        let at = retry_at.map_or(ask_at, |retry| retry.min(ask_at));
-                        if self.wait(Some(at), false).await == Wake::Stop {
-                            break;
-                        }
-                        continue;
-                    }
-                    due_asked = Some(Instant::now());
-                    Some(claimed)
+                    Some(drained)
                 }
                 Err(error) => {
                     errors = errors.saturating_add(1);
@@ -134,66 +118,46 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
             }
             self.purge_if_due().await;
             self.report_backlog_if_due().await;
-            let due = match claimed {
-                Some(claimed) => {
-                    // On a task of its own, so a notify can start the next drain without
-                    // dropping the query mid-flight (that would cost its connection, and the
-                    // pool's next one a new session with every statement parsed again).
-                    let repo = Arc::clone(&self.repo);
-                    let mut asking = tokio::spawn(async move { next_due_in(&*repo).await });
-                    tokio::select! {
-                        biased;
-                        // Committed meanwhile: drain now (unless notifies are debounced); the
-                        // query ends on its own, its answer stale. The timer is armed after
-                        // that drain.
-                        Some(()) = self.wake.recv(), if self.timing.debounce.is_zero() => continue,
-                        due = &mut asking => Some((claimed, due.unwrap_or_else(|stopped| {
-                            match stopped.try_into_panic() {
-                                Ok(panic) => Err(DispatchError::panicked("repository", &*panic)),
-                                // The runtime is shutting down.
-                                Err(_) => Ok(None),
-                            }
-                        }))),
-                    }
-                }
-                None => None,
-            };
-            let retry_at = match due {
-                Some((claimed, due)) => match due {
-                    Ok(None) => {
-                        idle_due = 0;
-                        None
-                    }
-                    Ok(Some(due_in)) => {
-                        let due_in = if claimed == 0 && due_in.is_zero() {
-                            // Due now, yet the drain found nothing: a row became due in
-                            // between (try again at once), or the repository disagrees with
-                            // itself (back off instead of spinning).
-                            idle_due = idle_due.saturating_add(1);
-                            if idle_due == 1 {
-                                MIN_RETRY_DELAY
-                            } else {
-                                self.options.retry_policy.delay(idle_due - 1)
-                            }
-                        } else {
-                            idle_due = 0;
-                            due_in.max(MIN_RETRY_DELAY)
-                        };
-                        Some(deadline(Instant::now(), due_in))
-                    }
-                    Err(error) => {
-                        errors = 1;
-                        self.report(&error);
-                        Some(deadline(
-                            Instant::now(),
-                            self.options.retry_policy.delay(errors),
-                        ))
-                    }
-                },
+            let retry_at = match drained {
                 None => Some(deadline(
                     Instant::now(),
                     self.options.retry_policy.delay(errors),
                 )),
+                Some(Drained { claimed, retry_at }) => {
+                    let busy = due_asked.filter(|at| claimed > 0 && at.elapsed() < DUE_ASK_EVERY);
+                    if let Some(asked) = busy {
+                        // Busy (this drain found rows, and the due time was asked a moment
+                        // ago): notifies keep draining, and a drain takes every row that is
+                        // due, so asking again after each drain would only double the
+                        // queries. The timer goes to the earliest row this drain failed, or
+                        // to when it is time to ask again.
+                        let ask_at = deadline(asked, DUE_ASK_EVERY);
+                        Some(retry_at.map_or(ask_at, |retry| retry.min(ask_at)))
+                    } else {
+                        due_asked = Some(Instant::now());
+                        // On a task of its own, so a notify can start the next drain without
+                        // dropping the query mid-flight (that would cost its connection, and
+                        // the pool's next one a new session with every statement parsed
+                        // again).
+                        let repo = Arc::clone(&self.repo);
+                        let mut asking = tokio::spawn(async move { next_due_in(&*repo).await });
+                        let due = tokio::select! {
+                            biased;
+                            // Committed meanwhile: drain now (unless notifies are debounced);
+                            // the query ends on its own, its answer stale. The timer is armed
+                            // after that drain.
+                            Some(()) = self.wake.recv(), if self.timing.debounce.is_zero() => continue,
+                            due = &mut asking => due.unwrap_or_else(|stopped| {
+                                match stopped.try_into_panic() {
+                                    Ok(panic) => Err(DispatchError::panicked("repository", &*panic)),
+                                    // The runtime is shutting down.
+                                    Err(_) => Ok(None),
+                                }
+                            }),
+                        };
+                        self.timer(claimed, due, &mut idle_due, &mut errors)
+                    }
+                }
             };
             if let Some(at) = retry_at {
                 tracing::trace!(in_ms = ?at.saturating_duration_since(Instant::now()), "retry timer armed");
@@ -203,6 +167,48 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
             }
         }
         tracing::debug!("outbox dispatcher stopped");
+    }
+
+    /// When to drain next, from what `next_due_in` said after a drain that claimed
+    /// `claimed` rows.
+    fn timer(
+        &self,
+        claimed: u64,
+        due: Result<Option<Duration>, DispatchError>,
+        idle_due: &mut u32,
+        errors: &mut u32,
+    ) -> Option<Instant> {
+        match due {
+            Ok(None) => {
+                *idle_due = 0;
+                None
+            }
+            Ok(Some(due_in)) => {
+                let due_in = if claimed == 0 && due_in.is_zero() {
+                    // Due now, yet the drain found nothing: a row became due in between
+                    // (try again at once), or the repository disagrees with itself (back off
+                    // instead of spinning).
+                    *idle_due = idle_due.saturating_add(1);
+                    if *idle_due == 1 {
+                        MIN_RETRY_DELAY
+                    } else {
+                        self.options.retry_policy.delay(*idle_due - 1)
+                    }
+                } else {
+                    *idle_due = 0;
+                    due_in.max(MIN_RETRY_DELAY)
+                };
+                Some(deadline(Instant::now(), due_in))
+            }
+            Err(error) => {
+                *errors = 1;
+                self.report(&error);
+                Some(deadline(
+                    Instant::now(),
+                    self.options.retry_policy.delay(*errors),
+                ))
+            }
+        }
     }
 
     /// What the task does once before its first drain: the publisher's start-up checks,
