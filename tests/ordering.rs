@@ -356,6 +356,28 @@ async fn drain<R: OutboxRepository>(repo: &R, publisher: &RecordingPublisher) {
     panic!("still dispatching after 50 drains");
 }
 
+/// Calls `dispatch_outbox` until `publisher` has published `count` rows (within 20 s), so
+/// rows waiting for a retry go out.
+async fn dispatch_until_published(
+    repo: &PgOutboxRepository,
+    publisher: &RecordingPublisher,
+    options: &DispatchOptions,
+    count: usize,
+) {
+    let start = Instant::now();
+    while publisher.successes().len() < count {
+        dispatch_outbox(repo, publisher, options.clone())
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "only {} of {count} rows published",
+            publisher.successes().len()
+        );
+    }
+}
+
 fn options() -> DispatchOptions {
     DispatchOptions::new()
         .batch_size(10)
@@ -473,14 +495,7 @@ async fn a_retrying_head_holds_its_key_on_postgres() {
             .initial_delay(Duration::from_millis(50))
             .max_delay(Duration::from_millis(50)),
     );
-    let start = Instant::now();
-    while publisher.successes().len() < 6 {
-        dispatch_outbox(&repo, &publisher, options.clone())
-            .await
-            .unwrap();
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(start.elapsed() < Duration::from_secs(20));
-    }
+    dispatch_until_published(&repo, &publisher, &options, 6).await;
     let first = |id: &str| {
         publisher
             .attempts()
@@ -547,17 +562,7 @@ async fn a_claim_publishes_a_run_of_a_key_one_row_at_a_time_on_postgres() {
     .unwrap();
     assert_eq!((state.as_str(), attempts, leased), ("pending", 0, false));
     // Once a1 is due again, the key goes on in order.
-    let start = Instant::now();
-    while publisher.successes().len() < 6 {
-        dispatch_outbox(&repo, &publisher, options.clone())
-            .await
-            .unwrap();
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "a1 and a2 never went out"
-        );
-    }
+    dispatch_until_published(&repo, &publisher, &options, 6).await;
     let a: Vec<String> = published(&publisher)
         .into_iter()
         .filter(|id| [&ids["a0"], &ids["a1"], &ids["a2"]].contains(&id))

@@ -521,23 +521,39 @@ const LOCKED_CLAIM_PG: &str = "SELECT id, subject, payload, headers FROM trellis
 /// It writes each row once instead of twice, but holds row locks (and a transaction) across
 /// the broker round trip.
 async fn locking_drain_pg(pool: &Pool<Postgres>, publisher: &Recorder) -> Result<u64, BoxError> {
+    locked_drain(
+        pool,
+        publisher,
+        LOCKED_CLAIM_PG,
+        "UPDATE trellis_outbox SET state = 'dispatched', updated_at = now() WHERE id = ANY($1)",
+        |(id, ..): (String, String, String, Json<serde_json::Value>)| id,
+    )
+    .await
+}
+
+/// The loop both ceilings run until `claim` finds nothing: in one transaction, `claim` (rows
+/// decoded as `R`, `id` of each), "publish" while holding the locks, `mark` (`$1` the ids).
+async fn locked_drain<R>(
+    pool: &Pool<Postgres>,
+    publisher: &Recorder,
+    claim: &'static str,
+    mark: &'static str,
+    id: fn(R) -> String,
+) -> Result<u64, BoxError>
+where
+    R: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
+{
     let mut total = 0;
     loop {
         let mut tx = pool.begin().await?;
-        let rows: Vec<(String, String, String, Json<serde_json::Value>)> =
-            sqlx::query_as(LOCKED_CLAIM_PG).fetch_all(&mut *tx).await?;
+        let rows: Vec<R> = sqlx::query_as(claim).fetch_all(&mut *tx).await?;
         if rows.is_empty() {
             tx.commit().await?;
             return Ok(total);
         }
-        let ids: Vec<String> = rows.into_iter().map(|(id, ..)| id).collect();
+        let ids: Vec<String> = rows.into_iter().map(id).collect();
         publisher.record(&ids);
-        sqlx::query(
-            "UPDATE trellis_outbox SET state = 'dispatched', updated_at = now() WHERE id = ANY($1)",
-        )
-        .bind(&ids)
-        .execute(&mut *tx)
-        .await?;
+        sqlx::query(mark).bind(&ids).execute(&mut *tx).await?;
         tx.commit().await?;
         total += ids.len() as u64;
     }
@@ -600,30 +616,15 @@ async fn load_narrow(pool: &Pool<Postgres>, rows: u64) -> Result<(), BoxError> {
 /// The measured limit's drain (`limits.md`, 1d) on the narrow table: in one transaction,
 /// `SELECT … FOR UPDATE SKIP LOCKED LIMIT 100`, one `UPDATE … = ANY($1)`.
 async fn narrow_drain_pg(pool: &Pool<Postgres>, publisher: &Recorder) -> Result<u64, BoxError> {
-    let mut total = 0;
-    loop {
-        let mut tx = pool.begin().await?;
-        let rows: Vec<(String, String, String)> = sqlx::query_as(
-            "SELECT id, subject, payload FROM bench_narrow WHERE state = 'pending' \
-             AND next_attempt_at <= now() ORDER BY next_attempt_at LIMIT 100 FOR UPDATE SKIP LOCKED",
-        )
-        .fetch_all(&mut *tx)
-        .await?;
-        if rows.is_empty() {
-            tx.commit().await?;
-            return Ok(total);
-        }
-        let ids: Vec<String> = rows.into_iter().map(|(id, ..)| id).collect();
-        publisher.record(&ids);
-        sqlx::query(
-            "UPDATE bench_narrow SET state = 'dispatched', dispatched_at = now() WHERE id = ANY($1)",
-        )
-        .bind(&ids)
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        total += ids.len() as u64;
-    }
+    locked_drain(
+        pool,
+        publisher,
+        "SELECT id, subject, payload FROM bench_narrow WHERE state = 'pending' \
+         AND next_attempt_at <= now() ORDER BY next_attempt_at LIMIT 100 FOR UPDATE SKIP LOCKED",
+        "UPDATE bench_narrow SET state = 'dispatched', dispatched_at = now() WHERE id = ANY($1)",
+        |(id, ..): (String, String, String)| id,
+    )
+    .await
 }
 
 /// Where the gap to the machine's measured drain limit lies: the ceiling loop on the Trellis

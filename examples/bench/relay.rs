@@ -160,18 +160,43 @@ impl BenchStream {
     }
 }
 
-/// Empties the outbox, loads `rows` pending events untimed (`enqueue_all` in chunks), and
-/// refreshes the planner's statistics.
-async fn load(pool: &PgPool, subject: &str, rows: u64, chunk: u64) -> Result<(), BoxError> {
+/// A run's fresh database (migrated), JetStream context and stream.
+async fn rig() -> Result<(TestPg, Context, BenchStream), BoxError> {
+    let pg = TestPg::new().await;
+    trellis_outbox::migrate(&pg.pool).await?;
+    let js = trellis_outbox_tests::nats::jetstream().await;
+    let stream = BenchStream::create(&js).await?;
+    Ok((pg, js, stream))
+}
+
+/// Empties the outbox, loads `rows` pending events untimed (`enqueue_all` in chunks of
+/// `chunk`), and refreshes the planner's statistics. With `keys`, each event gets one of
+/// `keys` ordering keys drawn at random (seeded: both sides of a round see the same mix).
+async fn load(
+    pool: &PgPool,
+    subject: &str,
+    rows: u64,
+    chunk: u64,
+    keys: Option<u64>,
+) -> Result<(), BoxError> {
+    use rand::{RngExt, SeedableRng};
     sqlx::raw_sql("TRUNCATE trellis_outbox")
         .execute(pool)
         .await?;
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(15);
     let mut n = 0;
     while n < rows {
         let take = (rows - n).min(chunk);
-        let records = (n..n + take)
-            .map(|i| PreparedOutboxRecord::event(NAME, subject, &event(i)))
-            .collect::<Result<Vec<_>, _>>()?;
+        let mut records = Vec::with_capacity(take as usize);
+        for i in n..n + take {
+            let record = PreparedOutboxRecord::event(NAME, subject, &event(i))?;
+            records.push(match keys {
+                Some(keys) => {
+                    record.ordered_by(format!("order-{}", rng.random_range(0..keys.max(1))))
+                }
+                None => record,
+            });
+        }
         let mut tx = pool.begin().await?;
         tx.enqueue_all(records).await?;
         tx.commit().await?;
@@ -343,7 +368,7 @@ async fn timed_drain(
     settings: Settings,
 ) -> Result<f64, BoxError> {
     let subject = stream.subject("Orders.Shipped");
-    load(pool, &subject, rows, 1_000).await?;
+    load(pool, &subject, rows, 1_000, None).await?;
     stream.purge().await?;
     let start = Instant::now();
     let drained = match side {
@@ -400,10 +425,7 @@ async fn bench_throughput(settings: Settings, table: &mut Vec<TableRow>) -> Resu
     } else {
         (5, 100_000, 5_000)
     };
-    let pg = TestPg::new().await;
-    trellis_outbox::migrate(&pg.pool).await?;
-    let js = trellis_outbox_tests::nats::jetstream().await;
-    let stream = BenchStream::create(&js).await?;
+    let (pg, js, stream) = rig().await?;
     println!(
         "throughput: {rounds} rounds; {rows} rows for ours vs naive, {small} rows for ours vs upstream; \
          ours = dispatch_outbox batch_size {} ack_window {}; file-backed stream {}",
@@ -730,10 +752,7 @@ async fn latency_dispatcher(
 async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<(), BoxError> {
     let count: u64 = if settings.quick { 3_000 } else { 10_000 };
     let interval = Duration::from_millis(1);
-    let pg = TestPg::new().await;
-    trellis_outbox::migrate(&pg.pool).await?;
-    let js = trellis_outbox_tests::nats::jetstream().await;
-    let stream = BenchStream::create(&js).await?;
+    let (pg, js, stream) = rig().await?;
     let sub_client = async_nats::connect(trellis_outbox_tests::nats_url()).await?;
     println!(
         "latency: {count} events, one per transaction every {interval:?}; commit -> core NATS \
@@ -965,10 +984,7 @@ fn rss_mb() -> (f64, f64) {
 
 async fn bench_rss(settings: Settings, table: &mut Vec<TableRow>) -> Result<(), BoxError> {
     let rows: u64 = if settings.quick { 100_000 } else { 1_000_000 };
-    let pg = TestPg::new().await;
-    trellis_outbox::migrate(&pg.pool).await?;
-    let js = trellis_outbox_tests::nats::jetstream().await;
-    let stream = BenchStream::create(&js).await?;
+    let (pg, js, stream) = rig().await?;
     println!(
         "rss: load {rows} rows (untimed), then dispatch_outbox (batch_size {}, ack_window {}) to \
          file-backed JetStream stream {}, sampling VmRSS every 100 ms",
@@ -976,7 +992,7 @@ async fn bench_rss(settings: Settings, table: &mut Vec<TableRow>) -> Result<(), 
     );
     let outcome = async {
         let load_start = Instant::now();
-        load(&pg.pool, &stream.subject("Orders.Shipped"), rows, 5_000).await?;
+        load(&pg.pool, &stream.subject("Orders.Shipped"), rows, 5_000, None).await?;
         let (before, hwm_load) = rss_mb();
         println!(
             "  loaded in {:.1?}; RSS before drain {before:.1} MB (VmHWM so far {hwm_load:.1} MB)",
@@ -1174,7 +1190,14 @@ async fn scaled_drain(
     rows: u64,
     settings: Settings,
 ) -> Result<f64, BoxError> {
-    load(&pg.pool, &stream.subject("Orders.Shipped"), rows, 1_000).await?;
+    load(
+        &pg.pool,
+        &stream.subject("Orders.Shipped"),
+        rows,
+        1_000,
+        None,
+    )
+    .await?;
     stream.purge().await?;
     let start = Instant::now();
     let reports = futures::future::join_all(relays.iter().map(|relay| {
@@ -1225,10 +1248,7 @@ async fn bench_scale(
     } else {
         (5, 100_000)
     };
-    let pg = TestPg::new().await;
-    trellis_outbox::migrate(&pg.pool).await?;
-    let js = trellis_outbox_tests::nats::jetstream().await;
-    let stream = BenchStream::create(&js).await?;
+    let (pg, _js, stream) = rig().await?;
     println!(
         "scale: {rounds} rounds of {rows} rows; 1 relay vs {counts:?} relays at once, each          dispatch_outbox batch_size {} ack_window {} on its own pool and NATS connection",
         settings.batch, settings.window
@@ -1277,10 +1297,7 @@ async fn bench_scale(
 /// reference (to choose the defaults; not part of the default run).
 async fn sweep(settings: Settings) -> Result<(), BoxError> {
     let rows = if settings.quick { 20_000 } else { 50_000 };
-    let pg = TestPg::new().await;
-    trellis_outbox::migrate(&pg.pool).await?;
-    let js = trellis_outbox_tests::nats::jetstream().await;
-    let stream = BenchStream::create(&js).await?;
+    let (pg, js, stream) = rig().await?;
     let outcome = async {
         for round in 0..2 {
             println!(" sweep round {}", round + 1);
@@ -1347,42 +1364,6 @@ async fn rss_in_child(settings: Settings, table: &mut Vec<TableRow>) -> Result<(
     Ok(())
 }
 
-/// Loads `rows` pending events untimed like [`load`]; with `keys`, each event gets one of
-/// `keys` ordering keys drawn at random (seeded: both sides of a round see the same mix).
-async fn load_keyed(
-    pool: &PgPool,
-    subject: &str,
-    rows: u64,
-    keys: Option<u64>,
-) -> Result<(), BoxError> {
-    use rand::{RngExt, SeedableRng};
-    sqlx::raw_sql("TRUNCATE trellis_outbox")
-        .execute(pool)
-        .await?;
-    let mut rng = rand::rngs::SmallRng::seed_from_u64(15);
-    let mut n = 0;
-    while n < rows {
-        let take = (rows - n).min(1_000);
-        let mut records = Vec::with_capacity(take as usize);
-        for i in n..n + take {
-            let key = rng.random_range(0..keys.unwrap_or(1).max(1));
-            let record = PreparedOutboxRecord::event(NAME, subject, &event(i))?;
-            records.push(match keys {
-                Some(_) => record.ordered_by(format!("order-{key}")),
-                None => record,
-            });
-        }
-        let mut tx = pool.begin().await?;
-        tx.enqueue_all(records).await?;
-        tx.commit().await?;
-        n += take;
-    }
-    sqlx::raw_sql("ANALYZE trellis_outbox")
-        .execute(pool)
-        .await?;
-    Ok(())
-}
-
 /// Loads `rows` (keyed or not), purges the stream, and times `dispatch_outbox` called until
 /// no row is left: one call drains an unordered outbox; with ordering keys a call can end
 /// while rows wait behind heads that were in flight, and the next call takes them (the
@@ -1396,7 +1377,7 @@ async fn timed_ordered_drain(
     settings: Settings,
 ) -> Result<f64, BoxError> {
     let subject = stream.subject("Orders.Shipped");
-    load_keyed(pool, &subject, rows, keys).await?;
+    load(pool, &subject, rows, 1_000, keys).await?;
     stream.purge().await?;
     let repo = Timed {
         inner: PgOutboxRepository::new(pool.clone()),
@@ -1457,10 +1438,7 @@ async fn bench_ordered(
     } else {
         (5, 100_000)
     };
-    let pg = TestPg::new().await;
-    trellis_outbox::migrate(&pg.pool).await?;
-    let js = trellis_outbox_tests::nats::jetstream().await;
-    let stream = BenchStream::create(&js).await?;
+    let (pg, js, stream) = rig().await?;
     println!(
         "ordered: {rounds} rounds of {rows} rows, {keys} ordering keys vs none; \
          dispatch_outbox batch_size {} ack_window {}; file-backed stream {}",
