@@ -60,8 +60,8 @@ fn down_scripts_are_printed_newest_first() {
     for dialect in ["postgres", "sqlite"] {
         let up = run(&["sql", "--dialect", dialect]).unwrap();
         let down = run(&["sql", "--dialect", dialect, "--down"]).unwrap();
-        assert_eq!(versions(&up), [1, 2, 3, 4, 5], "{dialect}");
-        assert_eq!(versions(&down), [5, 4, 3, 2, 1], "{dialect}");
+        assert_eq!(versions(&up), [1, 2, 3, 4, 5, 6], "{dialect}");
+        assert_eq!(versions(&down), [6, 5, 4, 3, 2, 1], "{dialect}");
     }
 }
 

@@ -84,7 +84,7 @@ fn v3_is_pinned() {
         (Dialect::Postgres, "fnv1a64:60a1bb47a8cb8d22"),
     ] {
         let all = migrations(dialect, &OutboxTables::default());
-        assert_eq!(all.len(), 5);
+        assert_eq!(all.len(), 6);
         let v3 = &all[2];
         assert_eq!(v3.id, format!("trellis_sql_outbox_inbox_{dialect}_v3"));
         assert_eq!(v3.version, 3);
@@ -137,7 +137,7 @@ fn v5_is_pinned() {
         (Dialect::Postgres, "fnv1a64:f4e56595a45db5fe", 9),
     ] {
         let all = migrations(dialect, &OutboxTables::default());
-        assert_eq!(all.len(), 5);
+        assert_eq!(all.len(), 6);
         let v5 = &all[4];
         assert_eq!(v5.id, format!("trellis_sql_outbox_inbox_{dialect}_v5"));
         assert_eq!(v5.version, 5);
@@ -242,6 +242,35 @@ fn unsafe_table_names_are_rejected() {
     );
 }
 
+// Version 6: the Postgres claim index loses the keyed rows (issue #15); nothing on SQLite.
+// Checksums computed independently (Python).
+#[test]
+fn v6_is_pinned() {
+    for (dialect, checksum, statements) in [
+        (Dialect::Sqlite, "fnv1a64:439101d5f448b098", 0),
+        (Dialect::Postgres, "fnv1a64:a3ceb0d5a5216ec6", 2),
+    ] {
+        let all = migrations(dialect, &OutboxTables::default());
+        let v6 = &all[5];
+        assert_eq!(v6.id, format!("trellis_sql_outbox_inbox_{dialect}_v6"));
+        assert_eq!(v6.version, 6);
+        assert_eq!(v6.checksum, checksum, "{dialect}");
+        assert_eq!(v6.up.len(), statements, "{dialect}");
+    }
+    let pg = &migrations(Dialect::Postgres, &OutboxTables::default())[5];
+    assert_eq!(
+        pg.up[1],
+        "CREATE INDEX IF NOT EXISTS trellis_outbox_claim_idx ON trellis_outbox (created_at, id) \
+         WHERE state IN ('pending', 'failed', 'claimed') AND ordering_key IS NULL"
+    );
+    // Reverted to version 3's index.
+    assert_eq!(
+        pg.down[1],
+        "CREATE INDEX IF NOT EXISTS trellis_outbox_claim_idx ON trellis_outbox (created_at, id) \
+         WHERE state IN ('pending', 'failed', 'claimed')"
+    );
+}
+
 #[test]
 fn script_is_pasteable() {
     let sql = migration_script(Dialect::Sqlite, &OutboxTables::default());
@@ -251,7 +280,7 @@ fn script_is_pasteable() {
     assert_eq!(
         sql.matches(";\n").count(),
         17,
-        "SQLite: 3 statements in v1 and v2, 5 in v3, 2 in v4, 4 in v5"
+        "SQLite: 3 statements in v1 and v2, 5 in v3, 2 in v4, 4 in v5, none in v6"
     );
 }
 
@@ -283,7 +312,8 @@ async fn pg_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_postgres_v2",
             "trellis_sql_outbox_inbox_postgres_v3",
             "trellis_sql_outbox_inbox_postgres_v4",
-            "trellis_sql_outbox_inbox_postgres_v5"
+            "trellis_sql_outbox_inbox_postgres_v5",
+            "trellis_sql_outbox_inbox_postgres_v6"
         ]
     );
     assert!(first.already_applied.is_empty());
@@ -318,7 +348,8 @@ async fn pg_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_postgres_v2",
             "trellis_sql_outbox_inbox_postgres_v3",
             "trellis_sql_outbox_inbox_postgres_v4",
-            "trellis_sql_outbox_inbox_postgres_v5"
+            "trellis_sql_outbox_inbox_postgres_v5",
+            "trellis_sql_outbox_inbox_postgres_v6"
         ]
     );
     let (id, checksum): (String, String) = sqlx::query_as(
@@ -343,7 +374,8 @@ async fn sqlite_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_sqlite_v2",
             "trellis_sql_outbox_inbox_sqlite_v3",
             "trellis_sql_outbox_inbox_sqlite_v4",
-            "trellis_sql_outbox_inbox_sqlite_v5"
+            "trellis_sql_outbox_inbox_sqlite_v5",
+            "trellis_sql_outbox_inbox_sqlite_v6"
         ]
     );
     for table in [
@@ -366,7 +398,8 @@ async fn sqlite_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_sqlite_v2",
             "trellis_sql_outbox_inbox_sqlite_v3",
             "trellis_sql_outbox_inbox_sqlite_v4",
-            "trellis_sql_outbox_inbox_sqlite_v5"
+            "trellis_sql_outbox_inbox_sqlite_v5",
+            "trellis_sql_outbox_inbox_sqlite_v6"
         ]
     );
 }
@@ -422,12 +455,12 @@ async fn pg_concurrent_migrations_apply_once() {
     let db = TestPg::new().await;
     let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
     let applied: usize = reports.into_iter().map(|r| r.unwrap().applied.len()).sum();
-    assert_eq!(applied, 5, "each version applied by exactly one caller");
+    assert_eq!(applied, 6, "each version applied by exactly one caller");
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox_migrations")
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    assert_eq!(rows, 5, "one bookkeeping row per version");
+    assert_eq!(rows, 6, "one bookkeeping row per version");
     db.close().await;
 }
 
@@ -436,19 +469,19 @@ async fn sqlite_concurrent_migrations_apply_once() {
     let db = TestSqlite::new().await;
     let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
     let applied: usize = reports.into_iter().map(|r| r.unwrap().applied.len()).sum();
-    assert_eq!(applied, 5, "each version applied by exactly one caller");
+    assert_eq!(applied, 6, "each version applied by exactly one caller");
 }
 
 #[tokio::test]
 async fn pg_custom_tables_are_separate_and_default_ones_untouched() {
     let db = TestPg::new().await;
     let report = migrate_with(&db.pool, &service_tables()).await.unwrap();
-    assert_eq!(report.applied.len(), 5);
+    assert_eq!(report.applied.len(), 6);
     assert!(pg_table_exists(&db.pool, "service_outbox").await);
     assert!(pg_table_exists(&db.pool, "service_inbox").await);
     assert!(!pg_table_exists(&db.pool, "trellis_outbox").await);
     // The default tables are migrated independently in the same database.
-    assert_eq!(migrate(&db.pool).await.unwrap().applied.len(), 5);
+    assert_eq!(migrate(&db.pool).await.unwrap().applied.len(), 6);
     assert!(pg_table_exists(&db.pool, "trellis_outbox").await);
     db.close().await;
 }
@@ -476,7 +509,8 @@ async fn sqlite_adopts_a_table_created_by_trellis_ts() {
             "trellis_sql_outbox_inbox_sqlite_v2",
             "trellis_sql_outbox_inbox_sqlite_v3",
             "trellis_sql_outbox_inbox_sqlite_v4",
-            "trellis_sql_outbox_inbox_sqlite_v5"
+            "trellis_sql_outbox_inbox_sqlite_v5",
+            "trellis_sql_outbox_inbox_sqlite_v6"
         ]
     );
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox")
@@ -516,7 +550,7 @@ where
     }
     let report = migrate(pool).await.unwrap();
     assert!(report.upgraded_from_0_10);
-    assert_eq!(report.applied.len(), 5);
+    assert_eq!(report.applied.len(), 6);
     let again = migrate(pool).await.unwrap();
     assert!(!again.upgraded_from_0_10 && again.applied.is_empty());
 

@@ -584,8 +584,12 @@ async fn a_claim_takes_the_rows_behind_published_rows_still_being_marked() {
     let claimed = |claim: &trellis_outbox::Claim| -> Vec<String> {
         claim.messages.iter().map(|m| m.id.clone()).collect()
     };
-    let first = repo.claim(ClaimRequest::new(2, lease)).await.unwrap();
-    assert_eq!(claimed(&first), [ids["a0"].clone(), ids["b0"].clone()]);
+    // Keys are claimed round-robin: a claim of one row takes key a's head, the next one
+    // key b's.
+    let first = repo.claim(ClaimRequest::new(1, lease)).await.unwrap();
+    assert_eq!(claimed(&first), [ids["a0"].clone()]);
+    let second = repo.claim(ClaimRequest::new(1, lease)).await.unwrap();
+    assert_eq!(claimed(&second), [ids["b0"].clone()]);
     // a0 and b0 are leased: nothing of their keys may be claimed.
     let blocked = repo.claim(ClaimRequest::new(10, lease)).await.unwrap();
     assert!(blocked.is_empty(), "{:?}", claimed(&blocked));
@@ -599,6 +603,87 @@ async fn a_claim_takes_the_rows_behind_published_rows_still_being_marked() {
 }
 
 // ---- four dispatchers ----
+
+/// The Postgres claim: unkeyed rows oldest first; keyed rows key by key, round-robin (each
+/// claim goes on after the last key the previous one reached, wrapping around), each key's
+/// run in sequence order; keyed rows written after a claim that saw none are found.
+#[tokio::test]
+async fn the_postgres_claim_serves_keys_round_robin() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let enqueue = |record: PreparedOutboxRecord| {
+        let pool = db.pool.clone();
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            tx.enqueue(&record).await.unwrap();
+            tx.commit().await.unwrap();
+            record.id
+        }
+    };
+    let unkeyed = |n: usize| {
+        PreparedOutboxRecord::event(
+            "Orders.Changed",
+            "events.v1.Orders.Changed",
+            &json!({ "n": n }),
+        )
+        .unwrap()
+    };
+    let repo = PgOutboxRepository::new(db.pool.clone());
+    let lease = Duration::from_secs(30);
+    let claim = |limit: usize| {
+        let repo = &repo;
+        async move {
+            let claim = repo.claim(ClaimRequest::new(limit, lease)).await.unwrap();
+            claim
+                .messages
+                .iter()
+                .map(|m| m.id.clone())
+                .collect::<Vec<_>>()
+        }
+    };
+    let mut first = Vec::new();
+    for n in 0..3 {
+        first.push(enqueue(unkeyed(n)).await);
+    }
+    assert_eq!(claim(10).await, first);
+    // Keyed rows, then one more unkeyed row: five keys of two rows each.
+    let mut runs = BTreeMap::new();
+    for n in 0..2 {
+        for key in ["k0", "k1", "k2", "k3", "k4"] {
+            let id = enqueue(keyed("events.v1.Orders.Changed", key, n)).await;
+            runs.entry(key).or_insert_with(Vec::new).push(id);
+        }
+    }
+    let late = enqueue(unkeyed(3)).await;
+    // The last claim saw no keyed rows, so this one claims unkeyed rows only (without the
+    // key walk) and learns that keyed rows wait.
+    assert_eq!(claim(2).await, [late]);
+    // Each claim of two takes one key's run, key after key.
+    for (key, run) in &runs {
+        assert_eq!(&claim(2).await, run, "{key}");
+    }
+    // Every key is leased: the walk wraps around and finds none free.
+    assert!(claim(2).await.is_empty());
+    // The leases end (rows released): the walk goes on after k4, wrapping to k0.
+    sqlx::query("UPDATE trellis_outbox SET claimed_until = NULL, claim_token = NULL WHERE ordering_key IS NOT NULL")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(claim(2).await, runs["k0"]);
+    assert_eq!(claim(2).await, runs["k1"]);
+    // A claim takes at most 16 rows of one key (its batch of 100 would hold 20), so that
+    // it spans many keys and publishes in few rounds.
+    let mut long = Vec::new();
+    for n in 0..20 {
+        long.push(enqueue(keyed("events.v1.Orders.Changed", "long", n)).await);
+    }
+    sqlx::query("UPDATE trellis_outbox SET claimed_until = now() + interval '1 hour', claim_token = 'held' WHERE ordering_key <> 'long'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(claim(100).await, long[..16]);
+    db.close().await;
+}
 
 /// Loads 50 keys × `per_key` rows, keys interleaved at random, in transactions of 100.
 async fn load_keyed(pool: &sqlx::PgPool, per_key: usize) -> HashMap<String, Vec<String>> {

@@ -449,7 +449,7 @@ async fn raw_drain_pg(pool: &Pool<Postgres>, publisher: &Recorder) -> Result<u64
         let rows: Vec<(String, String, String, Json<serde_json::Value>)> = sqlx::query_as(
             "UPDATE trellis_outbox SET claimed_until = now() + interval '30 seconds', claim_token = $1 \
              WHERE id = ANY(ARRAY(SELECT id FROM trellis_outbox WHERE state IN ('pending', 'failed', 'claimed') \
-             AND (next_attempt_at IS NULL OR next_attempt_at <= now()) \
+             AND ordering_key IS NULL AND (next_attempt_at IS NULL OR next_attempt_at <= now()) \
              AND (claimed_until IS NULL OR claimed_until <= now()) \
              ORDER BY created_at, id LIMIT 100 FOR UPDATE SKIP LOCKED)) \
              RETURNING id, subject, payload, headers",
@@ -510,9 +510,12 @@ async fn raw_drain_sqlite(pool: &Pool<Sqlite>, publisher: &Recorder) -> Result<u
 }
 
 /// The claim of the hand-written lock-holding loops (here and in `relay`): 100 due rows,
-/// oldest first, locked with `FOR UPDATE SKIP LOCKED` for the rest of the transaction.
+/// oldest first, locked with `FOR UPDATE SKIP LOCKED` for the rest of the transaction. The
+/// rows have no ordering key; saying so lets the query use `<outbox>_claim_idx`, which since
+/// schema version 6 holds only such rows.
 const LOCKED_CLAIM_PG: &str = "SELECT id, subject, payload, headers FROM trellis_outbox \
-     WHERE state IN ('pending', 'failed') AND (next_attempt_at IS NULL OR next_attempt_at <= now()) \
+     WHERE state IN ('pending', 'failed') AND ordering_key IS NULL \
+     AND (next_attempt_at IS NULL OR next_attempt_at <= now()) \
      ORDER BY created_at, id LIMIT 100 FOR UPDATE SKIP LOCKED";
 
 /// The ceiling (`dispatch_pg_vs_ceiling`), the classic loop without a lease: in one

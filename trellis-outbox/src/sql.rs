@@ -30,28 +30,6 @@ pub(crate) fn head_test(o: &str, candidate: &str) -> String {
     )
 }
 
-/// The run test of the Postgres claim's candidates: a keyed row may be a candidate if every
-/// row of its key with a lower `ordering_seq` that still holds it back (see [`head_test`])
-/// is itself claimable now (open, due by `cutoff`, not leased) **and** comes before it in
-/// claim order (`created_at`, `id`). So a key's claimable rows enter a claim as a prefix of
-/// the key, and the first candidate in claim order always has nothing ahead of it but rows
-/// another claimer has locked: the claim makes progress whatever the `LIMIT`. Rows in the
-/// array `published` (published by the claimer, their marks still running) count as
-/// dispatched.
-pub(crate) fn run_test(o: &str, candidate: &str, cutoff: &str, published: &str) -> String {
-    format!(
-        "({candidate}.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {o} AS ahead \
-         WHERE ahead.ordering_key = {candidate}.ordering_key \
-         AND ahead.ordering_seq < {candidate}.ordering_seq \
-         AND ahead.state <> 'dispatched' AND ahead.id NOT IN (SELECT unnest({published})) \
-         AND (ahead.state <> 'dead' OR ahead.ordering_skip_dead IS NOT TRUE) \
-         AND NOT (ahead.state IN ({OPEN_STATES}) \
-         AND (ahead.next_attempt_at IS NULL OR ahead.next_attempt_at <= {cutoff}) \
-         AND (ahead.claimed_until IS NULL OR ahead.claimed_until <= now()) \
-         AND (ahead.created_at, ahead.id) < ({candidate}.created_at, {candidate}.id))))"
-    )
-}
-
 /// The keys whose head is dead under the `block` policy ($1/?1 = limit, written by each
 /// dialect as `limit`): `(rows waiting behind it, key, head id)`.
 pub(crate) fn blocked_keys(o: &str, limit: &str) -> String {
@@ -268,6 +246,9 @@ pub(crate) struct Schema {
     /// Version 5: per-key ordering (the columns, the index the claim's head test reads, and
     /// on Postgres the trigger that numbers a key's rows in commit order).
     pub(crate) ordering: fn(&str) -> Ddl,
+    /// Version 6: on Postgres the claim index holds only rows without an ordering key (the
+    /// claim finds keyed rows key by key, through `<outbox>_ord_idx`); none on SQLite.
+    pub(crate) unkeyed_claim: fn(&str) -> Ddl,
 }
 
 impl Schema {
@@ -288,6 +269,7 @@ impl Schema {
             self.v3(o),
             Ddl::v4(tables),
             (self.ordering)(o),
+            (self.unkeyed_claim)(o),
         ]
     }
 
@@ -406,7 +388,7 @@ impl Ddl {
 
     /// Version 3's claim index: also upstream Trellis' `claimed` rows, which become
     /// claimable when their claim (`next_attempt_at`) ends.
-    fn claim_index_v3(o: &str) -> [String; 2] {
+    pub(crate) fn claim_index_v3(o: &str) -> [String; 2] {
         [
             format!("DROP INDEX IF EXISTS {o}_claim_idx"),
             format!(

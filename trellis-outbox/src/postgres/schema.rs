@@ -1,7 +1,7 @@
 //! The PostgreSQL schema: what its DDL differs in ([`Schema`]).
 
 use crate::dispatch::KNOWN_STATES;
-use crate::sql::{ColumnTypes, Ddl, Schema};
+use crate::sql::{ColumnTypes, Ddl, OPEN_STATES, Schema};
 
 pub(crate) const SCHEMA: Schema = Schema {
     // Upstream Trellis 0.11's tables, byte for byte.
@@ -17,7 +17,25 @@ pub(crate) const SCHEMA: Schema = Schema {
     checks,
     never: super::sql::NEVER,
     ordering,
+    unkeyed_claim,
 };
+
+/// Version 6: `<outbox>_claim_idx` holds only the open rows **without** an ordering key, so
+/// that the claim of unkeyed rows never reads past keyed ones (which it does not take: the
+/// claim finds those key by key, through `<outbox>_ord_idx`). Rebuilt under the same name,
+/// as version 3 did; reverted to version 3's.
+fn unkeyed_claim(o: &str) -> Ddl {
+    Ddl {
+        up: vec![
+            format!("DROP INDEX IF EXISTS {o}_claim_idx"),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {o}_claim_idx ON {o} (created_at, id) \
+                 WHERE state IN ({OPEN_STATES}) AND ordering_key IS NULL"
+            ),
+        ],
+        down: Ddl::claim_index_v3(o).into(),
+    }
+}
 
 /// Version 5: per-key ordering. Three nullable columns (upstream Trellis' writer sets none,
 /// so its rows stay unordered), the index the claim's head test reads, and a sequence

@@ -156,56 +156,127 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
 }
 
 /// The statements only Postgres sends.
+///
+/// Both claims take `$1` limit, `$2` lease in seconds, `$3` token, `$4` cutoff or NULL (now),
+/// `$5` whether to write upstream Trellis' lease too (`next_attempt_at`, and `claimed` back
+/// to `pending`; assigning a column its own value keeps the update HOT). They return
+/// [`COLUMNS`], `ordering_key`, `ordering_seq`, the cutoff used and `keyed`: whether any
+/// keyed row is still undispatched, which tells the repository which claim to send next.
+/// They update the claimed rows by the `ctid` their locking scan returned
+/// (`ctid = ANY(ARRAY(SELECT ctid … FOR UPDATE SKIP LOCKED))`, a TID scan: no second index
+/// lookup; `id IN (SELECT …)` may become a hash join over a full scan of the table). The
+/// locking scan rechecks a row another transaction updated meanwhile and returns its newest
+/// version's `ctid`; a locked row cannot move before the update. They commit with
+/// `synchronous_commit = off` for that transaction only: a lease is bookkeeping, and losing
+/// one in a server crash only makes its rows claimable again.
 #[derive(Debug)]
 #[cfg(feature = "postgres")]
 pub struct PgOnly {
-    /// $1 limit, $2 lease in seconds, $3 token, $4 cutoff or NULL (now), $6 the keyed rows the
-    /// claimer published and is marking (count as dispatched), $5 whether to write
-    /// upstream Trellis' lease too (`next_attempt_at`, and `claimed` back to `pending`;
-    /// assigning a column its own value keeps the update HOT). Returns [`COLUMNS`] and the
-    /// cutoff used.
+    /// The claim of rows without an ordering key, oldest first through
+    /// `<outbox>_claim_idx` (which holds only those since version 6).
+    pub(crate) claim_unkeyed: std::sync::Arc<str>,
+    /// The claim of both kinds. `$6` the keyed rows the claimer published and is still
+    /// marking (they count as dispatched), `$7` the key to walk on from (NULL: the first),
+    /// `$8` the most rows to take from one key.
     ///
-    /// `WHERE id = ANY(ARRAY(SELECT id …))`: the `ARRAY(…)` form makes the planner update the
-    /// claimed rows through the primary key, where `id IN (SELECT …)` may become a hash join
-    /// over a full scan of the table. A keyed row is claimed only together with every
-    /// row of its key ahead of it that still holds it back: the candidates pass
-    /// [`run_test`](crate::sql::run_test), and a candidate whose earlier rows did not all
-    /// become candidates too (one was locked by another claimer, or fell past the `LIMIT`) is
-    /// dropped. A claim thus holds a prefix of each key's open rows, which the engine
-    /// publishes one row of a key at a time, in `ordering_seq` order (returned for that). The claim commits with `synchronous_commit = off`, for
-    /// that transaction only: a lease is bookkeeping, and losing one in a server crash only
-    /// makes its rows claimable again, so the claim need not wait for the WAL flush.
+    /// Keyed rows are found **key by key**, not by age: a walk over the distinct keys of
+    /// `<outbox>_ord_idx` (one index probe per key), round-robin from `$7` and wrapping
+    /// around, tests each key's head (its first row that still holds the key back) and
+    /// takes the run of claimable rows from it. A key whose head is leased, failed and not
+    /// yet due, or dead under `block` thus costs two probes, however many rows wait behind
+    /// it; scanning rows by age would read every one of them. The runs and the oldest
+    /// unkeyed rows are locked (`SKIP LOCKED`) and the oldest `$1` of them kept. A run may
+    /// then have lost a row (locked by another claimer, or past the limit): each key's rows
+    /// are cut before its first row that still holds it back and was not kept, so the claim
+    /// holds a prefix of each key's open rows, which the engine publishes one row of a key
+    /// at a time, in `ordering_seq` order. (`cut` is `MATERIALIZED`: inlined, a generic plan
+    /// ran it again for every candidate.)
     pub(crate) claim: std::sync::Arc<str>,
+    /// Whether the last claim saw keyed rows undispatched: the next claim is then
+    /// [`claim`](Self::claim), else [`claim_unkeyed`](Self::claim_unkeyed) (and `claim` only
+    /// when that finds nothing, so keyed rows written meanwhile are found).
+    pub(crate) keyed: std::sync::atomic::AtomicBool,
+    /// Where the next key walk starts: after the last key the previous one claimed from.
+    pub(crate) cursor: std::sync::Mutex<Option<String>>,
 }
 
 #[cfg(feature = "postgres")]
 impl PgOnly {
     pub(crate) fn new(tables: &OutboxTables) -> Self {
         let o = tables.outbox();
-        let run = crate::sql::run_test(o, o, "COALESCE($4, now())", "$6::text[]");
+        let claimable = |row: &str| {
+            format!(
+                "{row}.state IN ({OPEN_STATES}) \
+                 AND ({row}.next_attempt_at IS NULL OR {row}.next_attempt_at <= COALESCE($4, now())) \
+                 AND ({row}.claimed_until IS NULL OR {row}.claimed_until <= now())"
+            )
+        };
+        // A row that holds the rows behind it back (see `head_test`); the rows in $6 count
+        // as dispatched.
+        let holds = |row: &str| {
+            format!(
+                "{row}.state <> 'dispatched' AND {row}.id NOT IN (SELECT unnest($6::text[])) \
+                 AND ({row}.state <> 'dead' OR {row}.ordering_skip_dead IS NOT TRUE)"
+            )
+        };
+        // `<outbox>_ord_idx`'s predicate, so that the key walk reads that index.
+        let keyed = "ordering_key IS NOT NULL AND state <> 'dispatched'";
+        let update = format!(
+            "UPDATE {o} SET claimed_until = now() + make_interval(secs => $2), claim_token = $3, \
+             next_attempt_at = CASE WHEN $5 THEN now() + make_interval(secs => $2) \
+             ELSE next_attempt_at END, \
+             state = CASE WHEN $5 AND state = 'claimed' THEN 'pending' ELSE state END"
+        );
+        let returning = format!(
+            "AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL \
+             RETURNING {COLUMNS}, ordering_key, ordering_seq, COALESCE($4, now()) AS claim_cutoff, \
+             EXISTS (SELECT 1 FROM {o} WHERE {keyed}) AS keyed"
+        );
+        // The oldest claimable rows without a key, locked.
+        let unkeyed = format!(
+            "FROM {o} WHERE ordering_key IS NULL AND {} \
+             ORDER BY created_at, id LIMIT $1 FOR UPDATE SKIP LOCKED",
+            claimable(o)
+        );
         Self {
-            claim: format!(
-                "UPDATE {o} SET claimed_until = now() + make_interval(secs => $2), claim_token = $3, \
-                 next_attempt_at = CASE WHEN $5 THEN now() + make_interval(secs => $2) \
-                 ELSE next_attempt_at END, \
-                 state = CASE WHEN $5 AND state = 'claimed' THEN 'pending' ELSE state END \
-                 WHERE id = ANY(ARRAY(WITH candidate AS MATERIALIZED (\
-                 SELECT id, ordering_key, ordering_seq FROM {o} \
-                 WHERE state IN ({OPEN_STATES}) \
-                 AND (next_attempt_at IS NULL OR next_attempt_at <= COALESCE($4, now())) \
-                 AND (claimed_until IS NULL OR claimed_until <= now()) \
-                 AND {run} \
-                 ORDER BY created_at, id LIMIT $1 FOR UPDATE SKIP LOCKED) \
-                 SELECT c.id FROM candidate AS c WHERE c.ordering_key IS NULL \
-                 OR NOT EXISTS (SELECT 1 FROM {o} AS ahead \
-                 WHERE ahead.ordering_key = c.ordering_key AND ahead.ordering_seq < c.ordering_seq \
-                 AND ahead.state <> 'dispatched' AND ahead.id NOT IN (SELECT unnest($6::text[])) \
-                 AND (ahead.state <> 'dead' OR ahead.ordering_skip_dead IS NOT TRUE) \
-                 AND ahead.id NOT IN (SELECT held.id FROM candidate AS held)))) \
-                 AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL \
-                 RETURNING {COLUMNS}, ordering_key, ordering_seq, COALESCE($4, now()) AS claim_cutoff"
+            claim_unkeyed: format!(
+                "{update} WHERE ctid = ANY(ARRAY(SELECT ctid {unkeyed})) {returning}"
             )
             .into(),
+            claim: format!(
+                "{update} WHERE ctid = ANY(ARRAY(WITH RECURSIVE \
+                 above(k) AS (SELECT min(ordering_key) FROM {o} WHERE {keyed} AND ordering_key > COALESCE($7, '') \
+                 UNION ALL SELECT (SELECT min(ordering_key) FROM {o} WHERE {keyed} AND ordering_key > w.k) \
+                 FROM above AS w WHERE w.k IS NOT NULL), \
+                 below(k) AS (SELECT min(ordering_key) FROM {o} WHERE {keyed} AND ordering_key <= $7 \
+                 UNION ALL SELECT (SELECT min(ordering_key) FROM {o} WHERE {keyed} AND ordering_key > w.k \
+                 AND ordering_key <= $7) FROM below AS w WHERE w.k IS NOT NULL), \
+                 walk AS (SELECT k FROM above WHERE k IS NOT NULL UNION ALL SELECT k FROM below WHERE k IS NOT NULL), \
+                 free AS (SELECT k FROM walk WHERE (SELECT {head_claimable} FROM {o} AS h \
+                 WHERE h.ordering_key = walk.k AND {head_holds} ORDER BY h.ordering_seq LIMIT 1)), \
+                 runs AS (SELECT r.loc, r.id, free.k AS key, r.seq FROM free, LATERAL (SELECT s.loc, s.id, s.seq \
+                 FROM (SELECT a.ctid AS loc, a.id, a.ordering_seq AS seq, \
+                 count(*) FILTER (WHERE NOT ({run_claimable})) OVER (ORDER BY a.ordering_seq ROWS UNBOUNDED PRECEDING) AS blocked \
+                 FROM {o} AS a WHERE a.ordering_key = free.k AND {run_holds} \
+                 ORDER BY a.ordering_seq LIMIT $8) AS s WHERE s.blocked = 0) AS r LIMIT $1), \
+                 oldest AS (SELECT ctid AS loc, id, created_at, ordering_key, ordering_seq {unkeyed}), \
+                 locked_runs AS (SELECT ctid AS loc, id, created_at, ordering_key, ordering_seq FROM {o} \
+                 WHERE ctid = ANY(ARRAY(SELECT loc FROM runs)) AND {own_claimable} FOR UPDATE SKIP LOCKED), \
+                 candidate AS MATERIALIZED (SELECT loc, id, ordering_key, ordering_seq FROM \
+                 (SELECT * FROM oldest UNION ALL SELECT * FROM locked_runs) AS locked ORDER BY created_at, id LIMIT $1), \
+                 cut AS MATERIALIZED (SELECT key, min(seq) AS seq FROM runs \
+                 WHERE id NOT IN (SELECT held.id FROM candidate AS held) GROUP BY key) \
+                 SELECT c.loc FROM candidate AS c LEFT JOIN cut ON cut.key = c.ordering_key \
+                 WHERE cut.seq IS NULL OR c.ordering_seq IS NULL OR c.ordering_seq < cut.seq)) {returning}",
+                head_claimable = claimable("h"),
+                head_holds = holds("h"),
+                run_claimable = claimable("a"),
+                run_holds = holds("a"),
+                own_claimable = claimable(o),
+            )
+            .into(),
+            keyed: std::sync::atomic::AtomicBool::new(true),
+            cursor: std::sync::Mutex::new(None),
         }
     }
 }

@@ -18,7 +18,17 @@ pub(crate) const SCHEMA: Schema = Schema {
     checks,
     never: super::sql::NEVER,
     ordering,
+    unkeyed_claim,
 };
+
+/// Version 6: nothing on SQLite. Its claim takes the heads of keys through
+/// `<outbox>_claim_idx`, so that index keeps the keyed rows (on Postgres it loses them).
+fn unkeyed_claim(_: &str) -> Ddl {
+    Ddl {
+        up: Vec::new(),
+        down: Vec::new(),
+    }
+}
 
 /// Version 5: per-key ordering. Three nullable columns (upstream Trellis' writer sets none,
 /// so its rows stay unordered) and the index the claim's head test reads. SQLite has one
