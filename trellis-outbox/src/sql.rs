@@ -25,10 +25,23 @@ pub(crate) fn head_test(o: &str, candidate: &str) -> String {
         "({candidate}.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {o} AS ahead \
          WHERE ahead.ordering_key = {candidate}.ordering_key \
          AND ahead.ordering_seq < {candidate}.ordering_seq \
-         AND ahead.state <> 'dispatched' \
-         AND (ahead.state <> 'dead' OR ahead.ordering_skip_dead IS NOT TRUE)))"
+         AND {}))",
+        holds_back("ahead")
     )
 }
+
+/// Whether the row `row` holds the later rows of its key back: it is not dispatched, and
+/// not `dead` under the `skip_dead` policy.
+pub(crate) fn holds_back(row: &str) -> String {
+    format!(
+        "{row}.state <> 'dispatched' \
+         AND ({row}.state <> 'dead' OR {row}.ordering_skip_dead IS NOT TRUE)"
+    )
+}
+
+/// The predicate of `<outbox>_ord_idx`, the undispatched keyed rows: a query that repeats it
+/// can read that index.
+pub(crate) const UNDISPATCHED_KEYED: &str = "ordering_key IS NOT NULL AND state <> 'dispatched'";
 
 /// The keys whose head is dead under the `block` policy ($1/?1 = limit, written by each
 /// dialect as `limit`): `(rows waiting behind it, key, head id)`.
@@ -48,7 +61,7 @@ pub(crate) fn blocked_keys(o: &str, limit: &str) -> String {
 pub(crate) fn ordering_index(o: &str) -> String {
     format!(
         "CREATE INDEX IF NOT EXISTS {o}_ord_idx ON {o} (ordering_key, ordering_seq) \
-         WHERE ordering_key IS NOT NULL AND state <> 'dispatched'"
+         WHERE {UNDISPATCHED_KEYED}"
     )
 }
 

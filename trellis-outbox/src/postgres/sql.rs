@@ -3,6 +3,8 @@
 
 use crate::dispatch::KNOWN_STATES;
 use crate::sql::OPEN_STATES;
+#[cfg(feature = "postgres")]
+use crate::sql::{UNDISPATCHED_KEYED, holds_back};
 
 /// The `next_attempt_at` of a `dead` row: far enough that an upstream Trellis dispatcher,
 /// which claims every undispatched row once it is due, never takes it.
@@ -211,16 +213,25 @@ impl PgOnly {
                  AND ({row}.claimed_until IS NULL OR {row}.claimed_until <= now())"
             )
         };
-        // A row that holds the rows behind it back (see `head_test`); the rows in $6 count
-        // as dispatched.
+        // A row that holds the rows behind it back; the rows in $6 count as dispatched.
         let holds = |row: &str| {
             format!(
-                "{row}.state <> 'dispatched' AND {row}.id NOT IN (SELECT unnest($6::text[])) \
-                 AND ({row}.state <> 'dead' OR {row}.ordering_skip_dead IS NOT TRUE)"
+                "{} AND {row}.id NOT IN (SELECT unnest($6::text[]))",
+                holds_back(row)
             )
         };
-        // `<outbox>_ord_idx`'s predicate, so that the key walk reads that index.
-        let keyed = "ordering_key IS NOT NULL AND state <> 'dispatched'";
+        // The keys above `start`, one index probe each (`<outbox>_ord_idx`'s predicate), the
+        // next one found by `step` from the last (`w.k`).
+        let walk = |name: &str, start: &str, step: &str| {
+            let least = |bound: &str| {
+                format!("SELECT min(ordering_key) FROM {o} WHERE {UNDISPATCHED_KEYED} AND {bound}")
+            };
+            format!(
+                "{name}(k) AS ({} UNION ALL SELECT ({}) FROM {name} AS w WHERE w.k IS NOT NULL)",
+                least(start),
+                least(step)
+            )
+        };
         let update = format!(
             "UPDATE {o} SET claimed_until = now() + make_interval(secs => $2), claim_token = $3, \
              next_attempt_at = CASE WHEN $5 THEN now() + make_interval(secs => $2) \
@@ -230,7 +241,7 @@ impl PgOnly {
         let returning = format!(
             "AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL \
              RETURNING {COLUMNS}, ordering_key, ordering_seq, COALESCE($4, now()) AS claim_cutoff, \
-             EXISTS (SELECT 1 FROM {o} WHERE {keyed}) AS keyed"
+             EXISTS (SELECT 1 FROM {o} WHERE {UNDISPATCHED_KEYED}) AS keyed"
         );
         // The oldest claimable rows without a key, locked.
         let unkeyed = format!(
@@ -244,13 +255,7 @@ impl PgOnly {
             )
             .into(),
             claim: format!(
-                "{update} WHERE ctid = ANY(ARRAY(WITH RECURSIVE \
-                 above(k) AS (SELECT min(ordering_key) FROM {o} WHERE {keyed} AND ordering_key > COALESCE($7, '') \
-                 UNION ALL SELECT (SELECT min(ordering_key) FROM {o} WHERE {keyed} AND ordering_key > w.k) \
-                 FROM above AS w WHERE w.k IS NOT NULL), \
-                 below(k) AS (SELECT min(ordering_key) FROM {o} WHERE {keyed} AND ordering_key <= $7 \
-                 UNION ALL SELECT (SELECT min(ordering_key) FROM {o} WHERE {keyed} AND ordering_key > w.k \
-                 AND ordering_key <= $7) FROM below AS w WHERE w.k IS NOT NULL), \
+                "{update} WHERE ctid = ANY(ARRAY(WITH RECURSIVE {above}, {below}, \
                  walk AS (SELECT k FROM above WHERE k IS NOT NULL UNION ALL SELECT k FROM below WHERE k IS NOT NULL), \
                  free AS (SELECT k FROM walk WHERE (SELECT {head_claimable} FROM {o} AS h \
                  WHERE h.ordering_key = walk.k AND {head_holds} ORDER BY h.ordering_seq LIMIT 1)), \
@@ -268,6 +273,12 @@ impl PgOnly {
                  WHERE id NOT IN (SELECT held.id FROM candidate AS held) GROUP BY key) \
                  SELECT c.loc FROM candidate AS c LEFT JOIN cut ON cut.key = c.ordering_key \
                  WHERE cut.seq IS NULL OR c.ordering_seq IS NULL OR c.ordering_seq < cut.seq)) {returning}",
+                above = walk("above", "ordering_key > COALESCE($7, '')", "ordering_key > w.k"),
+                below = walk(
+                    "below",
+                    "ordering_key <= $7",
+                    "ordering_key > w.k AND ordering_key <= $7"
+                ),
                 head_claimable = claimable("h"),
                 head_holds = holds("h"),
                 run_claimable = claimable("a"),
