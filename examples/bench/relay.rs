@@ -43,7 +43,11 @@
 //!    then publish the event directly and await its ack, no outbox) at the same rate;
 //!    `BENCH name=latency_inprocess` and `latency_listen_notify` compare each mode's p99 with
 //!    the floor's (ratio = floor / ours, higher is better; targets 0.5 and 0.4).
-//!    The first 5 % of samples are dropped as warm-up.
+//!    The three modes run **interleaved**, in segments (quick: 10 of 300 events per mode;
+//!    full: 20 of 500), each segment running the modes in a rotated order, so that each mode
+//!    sees the same share of this machine's fast and slow spells; a mode's p99 is taken over
+//!    its pooled samples. The first 5 % of each segment are dropped as warm-up (the
+//!    segment's dispatcher, or producer process, has just started).
 //! 3. **Peak RSS** (`rss`): loads 1,000,000 rows (quick: 100,000; untimed, 5,000 per
 //!    transaction), then drains them with `dispatch_outbox` to a file-backed JetStream stream
 //!    while a task samples `VmRSS` from `/proc/self/status` every 100 ms. When all three
@@ -71,6 +75,8 @@
 //! Machine-readable lines: `BENCH name=… ours=… baseline=… ratio=…`,
 //! `LATENCY name=… p50_ms=… p99_ms=…`, `RSS name=drain_1m peak_mb=…`.
 
+use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -504,22 +510,22 @@ fn now_ns() -> u64 {
         .unwrap_or_default()
 }
 
-/// Commits `count` events, one per transaction, starting one every `interval` (open loop:
-/// each transaction runs in its own task, as concurrent request handlers would, so a slow
-/// commit does not lower the offered rate); returns `(seq, wall-clock ns just before
+/// Commits the events `seqs`, one per transaction, starting one every `interval` (open
+/// loop: each transaction runs in its own task, as concurrent request handlers would, so a
+/// slow commit does not lower the offered rate); returns `(seq, wall-clock ns just before
 /// commit, wall-clock ns just after)`. Calls `after_commit` after each commit.
 async fn produce(
     pool: &PgPool,
     outbox: &Outbox,
     subject: &str,
-    count: u64,
+    seqs: Range<u64>,
     interval: Duration,
     after_commit: impl Fn() + Clone + Send + Sync + 'static,
 ) -> Result<Vec<Sent>, BoxError> {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let mut tasks = tokio::task::JoinSet::new();
-    for seq in 0..count {
+    for seq in seqs {
         ticker.tick().await;
         let record =
             PreparedOutboxRecord::event(NAME, subject, &serde_json::json!({ "seq": seq }))?;
@@ -534,7 +540,14 @@ async fn produce(
             Ok::<_, BoxError>((seq, before, after))
         });
     }
-    let mut out = Vec::with_capacity(count as usize);
+    joined(tasks).await
+}
+
+/// The results of a producer's tasks, by sequence number.
+async fn joined(
+    mut tasks: tokio::task::JoinSet<Result<Sent, BoxError>>,
+) -> Result<Vec<Sent>, BoxError> {
+    let mut out = Vec::with_capacity(tasks.len());
     while let Some(result) = tasks.join_next().await {
         out.push(result??);
     }
@@ -553,7 +566,7 @@ async fn produce_dual_write(
     pool: &PgPool,
     js: &Context,
     subject: &str,
-    count: u64,
+    seqs: Range<u64>,
     interval: Duration,
 ) -> Result<Vec<Sent>, BoxError> {
     sqlx::raw_sql(
@@ -564,7 +577,7 @@ async fn produce_dual_write(
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let mut tasks = tokio::task::JoinSet::new();
-    for seq in 0..count {
+    for seq in seqs {
         ticker.tick().await;
         let body = serde_json::json!({ "seq": seq });
         let (pool, js, subject) = (pool.clone(), js.clone(), subject.to_owned());
@@ -582,12 +595,7 @@ async fn produce_dual_write(
             Ok::<_, BoxError>((seq, before, after))
         });
     }
-    let mut out = Vec::with_capacity(count as usize);
-    while let Some(result) = tasks.join_next().await {
-        out.push(result??);
-    }
-    out.sort_unstable();
-    Ok(out)
+    joined(tasks).await
 }
 
 /// The dispatcher's own small pool, as the README recommends: on the producers' pool its
@@ -622,18 +630,16 @@ async fn receive(mut sub: async_nats::Subscriber, count: u64, seen: Arc<Mutex<Ve
     }
 }
 
-/// Latency samples in ms, warm-up dropped; fails if an event never arrived.
+/// Latency samples in ms, sorted; fails if an event never arrived.
 fn latencies(mode: &str, sent: &[Sent], seen: &[(u64, u64)]) -> Result<Vec<f64>, BoxError> {
-    let mut received = vec![None; sent.len()];
+    let mut received: HashMap<u64, u64> = HashMap::with_capacity(seen.len());
     for &(seq, t) in seen {
-        if let Some(slot) = received.get_mut(seq as usize) {
-            slot.get_or_insert(t);
-        }
+        received.entry(seq).or_insert(t);
     }
-    let warmup = sent.len() / 20;
     let mut out = Vec::with_capacity(sent.len());
-    for &(seq, t0, _) in &sent[warmup..] {
-        let t1 = received[seq as usize]
+    for &(seq, t0, _) in sent {
+        let t1 = received
+            .get(&seq)
             .ok_or_else(|| format!("{mode}: event {seq} never arrived on the subscription"))?;
         out.push(t1.saturating_sub(t0) as f64 / 1e6);
     }
@@ -641,28 +647,21 @@ fn latencies(mode: &str, sent: &[Sent], seen: &[(u64, u64)]) -> Result<Vec<f64>,
     Ok(out)
 }
 
-fn report_latency(
-    name: &str,
-    what: &str,
-    sent: &[Sent],
-    samples: &[f64],
-    target_p99: f64,
-    table: &mut Vec<TableRow>,
-) {
+/// When each row's first claim began, ended, and its publish began (wall-clock ns), by seq.
+type RowSteps = HashMap<u64, [u64; 3]>;
+
+fn report_latency(run: &ModeRun, samples: &[f64], steps: &RowSteps, table: &mut Vec<TableRow>) {
+    let name = run.mode.name();
     let (p50, p99, max) = (
         percentile(samples, 50.0),
         percentile(samples, 99.0),
         samples[samples.len() - 1],
     );
-    let span_ns = sent
-        .last()
-        .map_or(0, |l| l.1)
-        .saturating_sub(sent.first().map_or(0, |f| f.1));
-    let rate = sent.len() as f64 / (span_ns.max(1) as f64 / 1e9);
+    let rate = run.sent.len() as f64 / (run.active_ns.max(1) as f64 / 1e9);
     println!("LATENCY name={name} p50_ms={p50:.3} p99_ms={p99:.3}");
     // Where the time goes: the commit itself is part of the latency.
-    let warmup = sent.len() / 20;
-    let mut commit: Vec<f64> = sent[warmup..]
+    let mut commit: Vec<f64> = run
+        .sent
         .iter()
         .map(|&(_, before, after)| after.saturating_sub(before) as f64 / 1e6)
         .collect();
@@ -672,21 +671,16 @@ fn report_latency(
         percentile(&commit, 50.0),
         percentile(&commit, 99.0)
     );
-    println!("  {name}: dispatcher {}", STAGES.take());
-    // Where each row's time after its commit went (first claim and publish of the row).
-    let steps = ROW_STEPS.lock().expect("not poisoned").replace(Vec::new());
-    let mut at = vec![[0u64; 3]; sent.len()];
-    for (seq, step, t) in steps.into_iter().flatten() {
-        if let Some(slot) = at.get_mut(seq as usize) {
-            let slot = &mut slot[step as usize];
-            if *slot == 0 {
-                *slot = t;
-            }
-        }
+    if run.mode == Mode::DualWrite {
+        return;
     }
+    println!("  {name}: dispatcher {}", run.stages.take());
+    // Where each row's time after its commit went (first claim and publish of the row).
     let mut parts: [Vec<f64>; 3] = Default::default();
-    for &(seq, _, committed) in &sent[warmup..] {
-        let [claim_started, claimed, publish_started] = at[seq as usize];
+    for &(seq, _, committed) in &run.sent {
+        let Some(&[claim_started, claimed, publish_started]) = steps.get(&seq) else {
+            continue;
+        };
         if claim_started == 0 || publish_started == 0 {
             continue;
         }
@@ -710,6 +704,10 @@ fn report_latency(
         }
     }
     println!("{}", line.trim_end_matches(';'));
+    let (what, target_p99) = match run.mode {
+        Mode::InProcess => ("same process, notify() after commit", 10.0),
+        _ => ("producer in another process, listen_postgres", 25.0),
+    };
     table.push((
         name.to_owned(),
         format!(
@@ -723,171 +721,188 @@ fn report_latency(
     ));
 }
 
-async fn wait_for(seen: &Mutex<Vec<(u64, u64)>>, count: u64) {
+async fn wait_for(seen: &Mutex<Vec<(u64, u64)>>, count: u64) -> Result<(), BoxError> {
     let deadline = Instant::now() + Duration::from_secs(30);
-    while (seen.lock().expect("not poisoned").len() as u64) < count && Instant::now() < deadline {
+    loop {
+        let n = seen.lock().expect("not poisoned").len() as u64;
+        if n >= count {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(format!("only {n} of {count} events arrived within 30 s").into());
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
-/// The latency runs' dispatcher: its own pool, stage timers, the run's batch size.
-async fn latency_dispatcher(
-    pg: &TestPg,
+/// The latency runs' dispatcher: the given pool and stage timers, the run's batch size.
+fn latency_dispatcher(
+    pool: &PgPool,
     js: &Context,
     settings: Settings,
-) -> Result<DispatcherBuilder<Timed<PgOutboxRepository>, Timed<JetStreamPublisher>>, BoxError> {
-    Ok(OutboxDispatcher::builder(
+    stages: &Arc<Stages>,
+) -> DispatcherBuilder<Timed<PgOutboxRepository>, Timed<JetStreamPublisher>> {
+    OutboxDispatcher::builder(
         Timed {
-            inner: PgOutboxRepository::new(dispatcher_pool(pg).await?),
-            stages: Arc::clone(&STAGES),
+            inner: PgOutboxRepository::new(pool.clone()),
+            stages: Arc::clone(stages),
         },
         Timed {
             inner: publisher(js, settings),
-            stages: Arc::clone(&STAGES),
+            stages: Arc::clone(stages),
         },
     )
-    .batch_size(settings.batch))
+    .batch_size(settings.batch)
 }
 
-async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<(), BoxError> {
-    let count: u64 = if settings.quick { 3_000 } else { 10_000 };
-    let interval = Duration::from_millis(1);
-    let (pg, js, stream) = rig().await?;
-    let sub_client = async_nats::connect(trellis_outbox_tests::nats_url()).await?;
-    println!(
-        "latency: {count} events, one per transaction every {interval:?}; commit -> core NATS \
-         subscription; dispatcher batch_size {} ack_window {}{}",
-        settings.batch,
-        settings.window,
-        if settings.own_runtime {
-            "; in-process dispatcher on its own 1-worker runtime"
-        } else {
-            ""
-        }
-    );
-    *ROW_STEPS.lock().expect("not poisoned") = Some(Vec::new());
-    let outcome = async {
-        // (o) the floor: a dual write (commit, then publish and await the ack), no outbox.
-        let subject = stream.subject("lat.dualwrite");
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let sub = sub_client.subscribe(subject.clone()).await?;
-        sub_client.flush().await?;
-        let receiver = tokio::spawn(receive(sub, count, seen.clone()));
-        let sent = produce_dual_write(&pg.pool, &js, &subject, count, interval).await?;
-        wait_for(&seen, count).await;
-        receiver.abort();
-        let floor = latencies("dual_write", &sent, &seen.lock().expect("not poisoned"))?;
-        let floor_p99 = percentile(&floor, 99.0);
-        println!(
-            "LATENCY name=dual_write p50_ms={:.3} p99_ms={floor_p99:.3}",
-            percentile(&floor, 50.0)
-        );
+/// The three ways an event reaches the stream in the latency part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Mode {
+    /// The floor: commit, then publish directly (no outbox).
+    DualWrite,
+    /// The outbox; the producer calls `DispatcherHandle::notify()` after its commit.
+    InProcess,
+    /// The outbox; the producer is another process, the dispatcher listens.
+    ListenNotify,
+}
 
-        // (i) in-process notify.
-        let subject = stream.subject("lat.inprocess");
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let sub = sub_client.subscribe(subject.clone()).await?;
-        sub_client.flush().await?;
-        let receiver = tokio::spawn(receive(sub, count, seen.clone()));
-        let own = if settings.own_runtime {
-            Some(
-                tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(1)
-                    .thread_name("outbox-dispatcher")
-                    .enable_all()
-                    .build()?,
-            )
-        } else {
-            None
-        };
-        let dispatcher = match &own {
-            // Pool, NATS connection and task all on that runtime, so its worker drives
-            // their I/O instead of the producers' workers.
-            Some(runtime) => {
-                let db = pg.name.clone();
-                let builder = runtime
-                    .spawn(async move {
-                        let js = trellis_outbox_tests::nats::jetstream().await;
-                        Ok::<_, BoxError>(OutboxDispatcher::builder(
-                            Timed {
-                                inner: PgOutboxRepository::new(dispatcher_pool_on(&db).await?),
-                                stages: Arc::clone(&STAGES),
-                            },
-                            Timed {
-                                inner: publisher(&js, settings),
-                                stages: Arc::clone(&STAGES),
-                            },
-                        ))
-                    })
-                    .await??
-                    .batch_size(settings.batch);
-                let _entered = runtime.enter();
-                builder.start()?
-            }
-            None => latency_dispatcher(&pg, &js, settings).await?.start()?,
-        };
-        let handle = dispatcher.handle();
-        let notify = handle.clone();
-        // Nobody LISTENs in this mode: the producer's outbox sends no NOTIFY.
-        let quiet = Outbox::default().without_notify();
-        let sent = produce(&pg.pool, &quiet, &subject, count, interval, move || {
-            notify.notify()
-        })
-        .await?;
-        wait_for(&seen, count).await;
-        dispatcher.shutdown().await;
-        if let Some(runtime) = own {
-            runtime.shutdown_background();
-        }
-        receiver.abort();
-        let samples = latencies("inprocess", &sent, &seen.lock().expect("not poisoned"))?;
-        let inprocess_p99 = percentile(&samples, 99.0);
-        report_latency(
-            "inprocess",
-            "same process, notify() after commit",
-            &sent,
-            &samples,
-            10.0,
-            table,
-        );
+impl Mode {
+    const ALL: [Mode; 3] = [Mode::DualWrite, Mode::InProcess, Mode::ListenNotify];
 
-        // (ii) LISTEN/NOTIFY, producer in another process.
-        sqlx::raw_sql("TRUNCATE trellis_outbox")
-            .execute(&pg.pool)
-            .await?;
-        let subject = stream.subject("lat.listen");
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let sub = sub_client.subscribe(subject.clone()).await?;
-        sub_client.flush().await?;
-        let receiver = tokio::spawn(receive(sub, count, seen.clone()));
-        let dispatcher = latency_dispatcher(&pg, &js, settings)
-            .await?
-            .listen_postgres(&pg.pool, &OutboxTables::default())
-            .start()?;
-        // The listener is up once its connection is idle in LISTEN.
-        for _ in 0..500 {
-            if pg.listening_connections().await? > 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
+    fn name(self) -> &'static str {
+        match self {
+            Mode::DualWrite => "dual_write",
+            Mode::InProcess => "inprocess",
+            Mode::ListenNotify => "listen_notify",
         }
-        let child = tokio::process::Command::new(std::env::current_exe()?)
+    }
+}
+
+/// One mode of the latency part across its segments.
+struct ModeRun {
+    mode: Mode,
+    subject: String,
+    /// `(seq, receive ns)` from the mode's own subscription.
+    seen: Arc<Mutex<Vec<(u64, u64)>>>,
+    receiver: tokio::task::JoinHandle<()>,
+    /// What the producer committed, each segment's warm-up dropped.
+    sent: Vec<Sent>,
+    /// Events produced so far (warm-up included).
+    produced: u64,
+    /// Producing time summed over segments, for the offered rate.
+    active_ns: u64,
+    stages: Arc<Stages>,
+    /// The dispatcher's pool (and NATS context, on `--own-runtime` made on that runtime).
+    pool: Option<(PgPool, Context)>,
+}
+
+/// Everything a segment needs besides its mode.
+struct LatencyRig<'a> {
+    pg: &'a TestPg,
+    js: &'a Context,
+    settings: Settings,
+    interval: Duration,
+    own: Option<&'a tokio::runtime::Runtime>,
+}
+
+impl LatencyRig<'_> {
+    /// Produces the events `seqs` in `run`'s mode, waits until all arrived, and keeps the
+    /// commit times after the segment's warm-up (its first 5 %).
+    async fn segment(&self, run: &mut ModeRun, seqs: Range<u64>) -> Result<(), BoxError> {
+        let count = seqs.end - seqs.start;
+        let subject = run.subject.clone();
+        let sent = match run.mode {
+            Mode::DualWrite => {
+                produce_dual_write(&self.pg.pool, self.js, &subject, seqs, self.interval).await?
+            }
+            Mode::InProcess => {
+                let (pool, js) = run.pool.clone().ok_or("the in-process mode has a pool")?;
+                let builder = latency_dispatcher(&pool, &js, self.settings, &run.stages);
+                let dispatcher = match self.own {
+                    // Pool, NATS connection and task all on that runtime, so its worker
+                    // drives their I/O instead of the producers' workers.
+                    Some(runtime) => {
+                        let _entered = runtime.enter();
+                        builder.start()?
+                    }
+                    None => builder.start()?,
+                };
+                let notify = dispatcher.handle();
+                // Nobody LISTENs in this mode: the producer's outbox sends no NOTIFY.
+                let quiet = Outbox::default().without_notify();
+                let sent = produce(
+                    &self.pg.pool,
+                    &quiet,
+                    &subject,
+                    seqs,
+                    self.interval,
+                    move || notify.notify(),
+                )
+                .await;
+                let arrived = wait_for(&run.seen, run.produced + count).await;
+                dispatcher.shutdown().await;
+                arrived?;
+                sent?
+            }
+            Mode::ListenNotify => {
+                let (pool, js) = run.pool.clone().ok_or("the listen mode has a pool")?;
+                let dispatcher = latency_dispatcher(&pool, &js, self.settings, &run.stages)
+                    .listen_postgres(&self.pg.pool, &OutboxTables::default())
+                    .start()?;
+                // The listener is up once its connection is idle in LISTEN.
+                for _ in 0..500 {
+                    if self.pg.listening_connections().await? > 0 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                let sent = self.producer_process(&subject, seqs).await;
+                let arrived = wait_for(&run.seen, run.produced + count).await;
+                dispatcher.shutdown().await;
+                arrived?;
+                sent?
+            }
+        };
+        if run.mode == Mode::DualWrite {
+            wait_for(&run.seen, run.produced + count).await?;
+        }
+        if sent.len() as u64 != count {
+            return Err(format!("{}: {} of {count} commits", run.mode.name(), sent.len()).into());
+        }
+        run.produced += count;
+        run.active_ns += sent
+            .last()
+            .map_or(0, |l| l.1)
+            .saturating_sub(sent.first().map_or(0, |f| f.1));
+        run.sent.extend_from_slice(&sent[sent.len() / 20..]);
+        Ok(())
+    }
+
+    /// Runs the producer in a child process (this binary with `--producer`).
+    async fn producer_process(
+        &self,
+        subject: &str,
+        seqs: Range<u64>,
+    ) -> Result<Vec<Sent>, BoxError> {
+        let output = tokio::process::Command::new(std::env::current_exe()?)
             .args([
                 "relay",
                 "--producer",
-                &pg.name,
-                &subject,
-                &count.to_string(),
-                &interval.as_micros().to_string(),
+                &self.pg.name,
+                subject,
+                &seqs.start.to_string(),
+                &seqs.end.to_string(),
+                &self.interval.as_micros().to_string(),
             ])
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::inherit())
-            .spawn()?;
-        let output = child.wait_with_output().await?;
+            .spawn()?
+            .wait_with_output()
+            .await?;
         if !output.status.success() {
             return Err(format!("producer process failed: {}", output.status).into());
         }
-        let sent: Vec<Sent> = String::from_utf8(output.stdout)?
+        Ok(String::from_utf8(output.stdout)?
             .lines()
             .filter_map(|line| {
                 let mut fields = line.split(' ').map(str::parse::<u64>);
@@ -897,29 +912,135 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
                     fields.next()?.ok()?,
                 ))
             })
-            .collect();
-        if sent.len() as u64 != count {
-            return Err(format!("producer reported {} of {count} commits", sent.len()).into());
+            .collect())
+    }
+}
+
+/// The latency part: the three modes in interleaved segments (each segment runs the modes
+/// in a rotated order), so that each mode sees the same share of this machine's fast and
+/// slow spells; each mode's samples are pooled over its segments.
+async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<(), BoxError> {
+    let (count, segments): (u64, u64) = if settings.quick {
+        (3_000, 10)
+    } else {
+        (10_000, 20)
+    };
+    let per_segment = count / segments;
+    let interval = Duration::from_millis(1);
+    let (pg, js, stream) = rig().await?;
+    let sub_client = async_nats::connect(trellis_outbox_tests::nats_url()).await?;
+    println!(
+        "latency: {count} events per mode, one per transaction every {interval:?}, in {segments} \
+         interleaved segments; commit -> core NATS subscription; dispatcher batch_size {} \
+         ack_window {}{}",
+        settings.batch,
+        settings.window,
+        if settings.own_runtime {
+            "; in-process dispatcher on its own 1-worker runtime"
+        } else {
+            ""
         }
-        wait_for(&seen, count).await;
-        dispatcher.shutdown().await;
-        receiver.abort();
-        let samples = latencies("listen_notify", &sent, &seen.lock().expect("not poisoned"))?;
-        let listen_p99 = percentile(&samples, 99.0);
-        report_latency(
-            "listen_notify",
-            "producer in another process, listen_postgres",
-            &sent,
-            &samples,
-            25.0,
-            table,
-        );
+    );
+    *ROW_STEPS.lock().expect("not poisoned") = Some(Vec::new());
+    let own = if settings.own_runtime {
+        Some(
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .thread_name("outbox-dispatcher")
+                .enable_all()
+                .build()?,
+        )
+    } else {
+        None
+    };
+    let outcome = async {
+        let mut runs = Vec::new();
+        for mode in Mode::ALL {
+            let subject = stream.subject(&format!("lat.{}", mode.name()));
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            let sub = sub_client.subscribe(subject.clone()).await?;
+            sub_client.flush().await?;
+            let receiver = tokio::spawn(receive(sub, count, seen.clone()));
+            let pool = match (mode, &own) {
+                (Mode::DualWrite, _) => None,
+                (Mode::InProcess, Some(runtime)) => {
+                    let db = pg.name.clone();
+                    Some(
+                        runtime
+                            .spawn(async move {
+                                let js = trellis_outbox_tests::nats::jetstream().await;
+                                Ok::<_, BoxError>((dispatcher_pool_on(&db).await?, js))
+                            })
+                            .await??,
+                    )
+                }
+                _ => Some((dispatcher_pool(&pg).await?, js.clone())),
+            };
+            runs.push(ModeRun {
+                mode,
+                subject,
+                seen,
+                receiver,
+                sent: Vec::new(),
+                produced: 0,
+                active_ns: 0,
+                stages: Arc::default(),
+                pool,
+            });
+        }
+        let rig = LatencyRig {
+            pg: &pg,
+            js: &js,
+            settings,
+            interval,
+            own: own.as_ref(),
+        };
+        // Each mode's events get their own range of sequence numbers.
+        let base = |mode: usize| mode as u64 * 1_000_000_000;
+        for segment in 0..segments {
+            for k in 0..runs.len() {
+                let m = (k + segment as usize) % runs.len();
+                if runs[m].mode != Mode::DualWrite {
+                    // Each outbox segment starts from an empty table.
+                    sqlx::raw_sql("TRUNCATE trellis_outbox")
+                        .execute(&pg.pool)
+                        .await?;
+                }
+                let start = base(m) + segment * per_segment;
+                rig.segment(&mut runs[m], start..start + per_segment)
+                    .await?;
+            }
+        }
+        let steps: RowSteps = {
+            let recorded = ROW_STEPS.lock().expect("not poisoned").replace(Vec::new());
+            let mut steps = RowSteps::new();
+            for (seq, step, t) in recorded.into_iter().flatten() {
+                let slot = &mut steps.entry(seq).or_default()[step as usize];
+                if *slot == 0 {
+                    *slot = t;
+                }
+            }
+            steps
+        };
+        let mut p99 = HashMap::new();
+        for run in &runs {
+            run.receiver.abort();
+            let samples = latencies(
+                run.mode.name(),
+                &run.sent,
+                &run.seen.lock().expect("not poisoned"),
+            )?;
+            p99.insert(run.mode, percentile(&samples, 99.0));
+            report_latency(run, &samples, &steps, table);
+        }
         // Against the floor: baseline / ours, so higher is better (1.0 = as fast as a dual
         // write). Targets: >= 0.5 in-process, >= 0.4 over LISTEN/NOTIFY.
-        for (name, ours, target) in [
-            ("latency_inprocess", inprocess_p99, 0.5),
-            ("latency_listen_notify", listen_p99, 0.4),
+        let floor_p99 = p99[&Mode::DualWrite];
+        for (name, mode, target) in [
+            ("latency_inprocess", Mode::InProcess, 0.5),
+            ("latency_listen_notify", Mode::ListenNotify, 0.4),
         ] {
+            let ours = p99[&mode];
             let ratio = floor_p99 / ours.max(f64::MIN_POSITIVE);
             println!("BENCH name={name} ours={ours:.3} baseline={floor_p99:.3} ratio={ratio:.3}");
             table.push((
@@ -934,17 +1055,20 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
         Ok::<_, BoxError>(())
     }
     .await;
+    if let Some(runtime) = own {
+        runtime.shutdown_background();
+    }
     *ROW_STEPS.lock().expect("not poisoned") = None;
     stream.delete().await;
     pg.close().await;
     outcome
 }
 
-/// The child process of the LISTEN/NOTIFY latency run: commits events on its own pool and
-/// prints `seq before_commit_ns after_commit_ns` per event.
+/// The child process of the LISTEN/NOTIFY latency run: commits the events `start..end` on
+/// its own pool and prints `seq before_commit_ns after_commit_ns` per event.
 async fn producer_child(args: &[String]) -> Result<(), BoxError> {
-    let [db, subject, count, interval_us] = args else {
-        return Err("usage: --producer <database> <subject> <count> <interval_us>".into());
+    let [db, subject, start, end, interval_us] = args else {
+        return Err("usage: --producer <database> <subject> <start> <end> <interval_us>".into());
     };
     let options: sqlx::postgres::PgConnectOptions = trellis_outbox_tests::database_url().parse()?;
     let pool = sqlx::pool::PoolOptions::<Postgres>::new()
@@ -955,7 +1079,7 @@ async fn producer_child(args: &[String]) -> Result<(), BoxError> {
         &pool,
         &Outbox::default(),
         subject,
-        count.parse()?,
+        start.parse()?..end.parse()?,
         Duration::from_micros(interval_us.parse()?),
         || {},
     )
