@@ -602,6 +602,55 @@ async fn a_claim_takes_the_rows_behind_published_rows_still_being_marked() {
     db.close().await;
 }
 
+/// A row in the middle of a key's run that cannot be claimed (another writer left it
+/// `failed` and not yet due, or another transaction holds its lock) ends the run there: the
+/// Postgres claim takes the rows of the key before it and none after it.
+#[tokio::test]
+async fn a_row_that_cannot_be_claimed_ends_its_keys_run() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let ids = head_of_line_rows(&db.pool, HeadOfLine::Block).await;
+    let repo = PgOutboxRepository::new(db.pool.clone());
+    let lease = Duration::from_secs(30);
+    let claimed = |claim: &trellis_outbox::Claim| -> Vec<String> {
+        let mut ids: Vec<String> = claim.messages.iter().map(|m| m.id.clone()).collect();
+        ids.sort();
+        ids
+    };
+    let sorted = |names: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = names.iter().map(|n| ids[*n].clone()).collect();
+        v.sort();
+        v
+    };
+    // a1 failed and is not due for an hour (as another writer could leave it).
+    sqlx::query(
+        "UPDATE trellis_outbox SET state = 'failed', next_attempt_at = now() + interval '1 hour' \
+         WHERE id = $1",
+    )
+    .bind(&ids["a1"])
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // Another transaction holds b1's lock while the claim runs.
+    let mut holder = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM trellis_outbox WHERE id = $1 FOR UPDATE")
+        .bind(&ids["b1"])
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let claim = repo.claim(ClaimRequest::new(10, lease)).await.unwrap();
+    assert_eq!(claimed(&claim), sorted(&["a0", "b0"]));
+    holder.rollback().await.unwrap();
+    // a2 and b2 were not leased: once b1's lock is gone and the claim's rows are published,
+    // b goes on; a still waits behind a1.
+    let next = repo
+        .claim(ClaimRequest::new(10, lease).published(vec![ids["a0"].clone(), ids["b0"].clone()]))
+        .await
+        .unwrap();
+    assert_eq!(claimed(&next), sorted(&["b1", "b2"]));
+    db.close().await;
+}
+
 // ---- four dispatchers ----
 
 /// The Postgres claim: unkeyed rows oldest first; keyed rows key by key, round-robin (each

@@ -183,16 +183,17 @@ pub struct PgOnly {
     ///
     /// Keyed rows are found **key by key**, not by age: a walk over the distinct keys of
     /// `<outbox>_ord_idx` (one index probe per key), round-robin from `$7` and wrapping
-    /// around, tests each key's head (its first row that still holds the key back) and
-    /// takes the run of claimable rows from it. A key whose head is leased, failed and not
-    /// yet due, or dead under `block` thus costs two probes, however many rows wait behind
-    /// it; scanning rows by age would read every one of them. The runs and the oldest
-    /// unkeyed rows are locked (`SKIP LOCKED`) and the oldest `$1` of them kept. A run may
-    /// then have lost a row (locked by another claimer, or past the limit): each key's rows
-    /// are cut before its first row that still holds it back and was not kept, so the claim
-    /// holds a prefix of each key's open rows, which the engine publishes one row of a key
-    /// at a time, in `ordering_seq` order. (`cut` is `MATERIALIZED`: inlined, a generic plan
-    /// ran it again for every candidate.)
+    /// around, tests each key's head (its first row that still holds the key back) and, if
+    /// the head is claimable, reads the key's first `$8` rows that hold it back (its run).
+    /// A key whose head is leased, failed and not yet due, or dead under `block` thus costs
+    /// two probes, however many rows wait behind it; scanning rows by age would read every
+    /// one of them. The claimable rows of the runs and the oldest unkeyed rows are locked
+    /// (`SKIP LOCKED`) and the oldest `$1` of them kept. A run may then have lost a row (not
+    /// claimable, locked by another transaction, or past the limit): each key's rows are cut
+    /// before its first row of the run that was not kept, so the claim holds a prefix of each
+    /// key's open rows, which the engine publishes one row of a key at a time, in
+    /// `ordering_seq` order. (`cut` is `MATERIALIZED`: inlined, a generic plan ran it again
+    /// for every candidate.)
     pub(crate) claim: std::sync::Arc<str>,
     /// Whether the last claim saw keyed rows undispatched: the next claim is then
     /// [`claim`](Self::claim), else [`claim_unkeyed`](Self::claim_unkeyed) (and `claim` only
@@ -259,11 +260,9 @@ impl PgOnly {
                  walk AS (SELECT k FROM above WHERE k IS NOT NULL UNION ALL SELECT k FROM below WHERE k IS NOT NULL), \
                  free AS (SELECT k FROM walk WHERE (SELECT {head_claimable} FROM {o} AS h \
                  WHERE h.ordering_key = walk.k AND {head_holds} ORDER BY h.ordering_seq LIMIT 1)), \
-                 runs AS (SELECT r.loc, r.id, free.k AS key, r.seq FROM free, LATERAL (SELECT s.loc, s.id, s.seq \
-                 FROM (SELECT a.ctid AS loc, a.id, a.ordering_seq AS seq, \
-                 count(*) FILTER (WHERE NOT ({run_claimable})) OVER (ORDER BY a.ordering_seq ROWS UNBOUNDED PRECEDING) AS blocked \
+                 runs AS (SELECT r.loc, r.id, free.k AS key, r.seq FROM free, LATERAL (SELECT a.ctid AS loc, a.id, a.ordering_seq AS seq \
                  FROM {o} AS a WHERE a.ordering_key = free.k AND {run_holds} \
-                 ORDER BY a.ordering_seq LIMIT $8) AS s WHERE s.blocked = 0) AS r LIMIT $1), \
+                 ORDER BY a.ordering_seq LIMIT $8) AS r LIMIT $1), \
                  oldest AS (SELECT ctid AS loc, id, created_at, ordering_key, ordering_seq {unkeyed}), \
                  locked_runs AS (SELECT ctid AS loc, id, created_at, ordering_key, ordering_seq FROM {o} \
                  WHERE ctid = ANY(ARRAY(SELECT loc FROM runs)) AND {own_claimable} FOR UPDATE SKIP LOCKED), \
@@ -281,7 +280,6 @@ impl PgOnly {
                 ),
                 head_claimable = claimable("h"),
                 head_holds = holds("h"),
-                run_claimable = claimable("a"),
                 run_holds = holds("a"),
                 own_claimable = claimable(o),
             )
