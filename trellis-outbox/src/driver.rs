@@ -291,7 +291,6 @@ pub(crate) mod sealed {
 /// the row claimable at once).
 ///
 /// [`MAX_SQL_DURATION`]: crate::dispatch::MAX_SQL_DURATION
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub(crate) fn sql_seconds(duration: Duration) -> f64 {
     duration
         .min(crate::dispatch::MAX_SQL_DURATION)

@@ -262,6 +262,7 @@ impl PreparedOutboxRecord {
     }
 
     /// The record's ordering key and whether a dead head lets later rows through, as stored.
+    #[cfg(feature = "postgres")]
     pub(crate) fn ordering_columns(&self) -> (Option<&str>, Option<bool>) {
         match &self.ordering {
             Some(o) => (Some(o.key.as_str()), Some(o.skip_dead())),

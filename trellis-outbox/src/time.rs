@@ -37,7 +37,6 @@ pub fn format_timestamp(time: DateTime<Utc>) -> String {
 ///
 /// The stored format `YYYY-MM-DDTHH:mm:ss.sssZ` takes a fast path: claims decode three per
 /// row.
-#[cfg(any(feature = "postgres", feature = "sqlite", feature = "nats"))]
 pub(crate) fn parse_timestamp(text: &str) -> Result<DateTime<Utc>, chrono::ParseError> {
     if let Some(time) = parse_iso_millis(text.as_bytes()) {
         return Ok(time);
@@ -45,7 +44,6 @@ pub(crate) fn parse_timestamp(text: &str) -> Result<DateTime<Utc>, chrono::Parse
     DateTime::parse_from_rfc3339(text).map(|t| t.with_timezone(&Utc))
 }
 
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
 fn parse_iso_millis(b: &[u8]) -> Option<DateTime<Utc>> {
     if b.len() != 24
         || b[4] != b'-'
@@ -80,7 +78,6 @@ mod tests {
     use chrono::TimeZone;
 
     #[test]
-    #[cfg(any(feature = "postgres", feature = "sqlite"))]
     fn formats_like_to_iso_string() {
         let t = Utc.timestamp_millis_opt(1_779_667_200_123).unwrap();
         assert_eq!(format_timestamp(t), "2026-05-25T00:00:00.123Z");

@@ -156,6 +156,7 @@ impl Claim {
     /// round, every unkeyed row), so a key never has two rows in flight and its rows go out
     /// in `ordering_seq` order. `keys` gives each keyed row's id its key and sequence,
     /// undecodable rows included: a poisoned row ahead of a message holds it back.
+    #[cfg(feature = "postgres")]
     pub(crate) fn order_runs(&mut self, keys: Vec<(String, String, i64)>) {
         let mut by_key: HashMap<String, Vec<(i64, String)>> = HashMap::new();
         for (id, key, seq) in keys {

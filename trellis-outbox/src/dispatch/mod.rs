@@ -23,12 +23,12 @@ pub use dispatcher::{
     DEFAULT_BACKLOG_EVERY, DispatcherBuilder, DispatcherHandle, OutboxDispatcher,
 };
 pub use engine::dispatch_outbox;
+#[cfg(feature = "nats")]
 pub(crate) use error::panic_message;
 pub use error::{DispatchError, Disposition, ErrorCallback};
 pub use memory::MemoryOutboxRepository;
 pub use options::{DispatchOptions, DispatchReport};
 pub use publisher::{BoxError, PublishError, Publisher};
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub(crate) use repository::MAX_SQL_DURATION;
 pub use repository::{
     Backlog, Claim, ClaimRequest, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow,

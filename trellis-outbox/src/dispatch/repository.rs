@@ -419,7 +419,6 @@ pub(crate) const KNOWN_STATES: &str = "'pending', 'claimed', 'dispatched', 'fail
 /// or retry delay means "practically never" and is stored as this: as an SQL interval it
 /// would overflow (Postgres fails the statement, SQLite answers NULL past the year 9999,
 /// which would make the row claimable at once).
-#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
 pub(crate) const MAX_SQL_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
 
 /// A wait in seconds as the database computed it, as a [`Duration`]: negative or NaN is
