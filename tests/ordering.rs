@@ -343,6 +343,11 @@ fn published(publisher: &RecordingPublisher) -> Vec<String> {
         .collect()
 }
 
+/// The ids of a claim's messages, in the claim's order.
+fn claimed_ids(claim: &trellis_outbox::Claim) -> Vec<String> {
+    claim.messages.iter().map(|m| m.id.clone()).collect()
+}
+
 /// Drains until a drain does nothing: on Postgres, which overlaps batches, the claim made
 /// while a key's head is in flight cannot take the row behind it, so one `dispatch_outbox`
 /// may end with rows still due (the dispatcher drains again at once; see `next_due_in`).
@@ -581,24 +586,21 @@ async fn a_claim_takes_the_rows_behind_published_rows_still_being_marked() {
     let ids = head_of_line_rows(&db.pool, HeadOfLine::Block).await;
     let repo = PgOutboxRepository::new(db.pool.clone());
     let lease = Duration::from_secs(30);
-    let claimed = |claim: &trellis_outbox::Claim| -> Vec<String> {
-        claim.messages.iter().map(|m| m.id.clone()).collect()
-    };
     // Keys are claimed round-robin: a claim of one row takes key a's head, the next one
     // key b's.
     let first = repo.claim(ClaimRequest::new(1, lease)).await.unwrap();
-    assert_eq!(claimed(&first), [ids["a0"].clone()]);
+    assert_eq!(claimed_ids(&first), [ids["a0"].clone()]);
     let second = repo.claim(ClaimRequest::new(1, lease)).await.unwrap();
-    assert_eq!(claimed(&second), [ids["b0"].clone()]);
+    assert_eq!(claimed_ids(&second), [ids["b0"].clone()]);
     // a0 and b0 are leased: nothing of their keys may be claimed.
     let blocked = repo.claim(ClaimRequest::new(10, lease)).await.unwrap();
-    assert!(blocked.is_empty(), "{:?}", claimed(&blocked));
+    assert!(blocked.is_empty(), "{:?}", claimed_ids(&blocked));
     // a0 was published and is being marked: a1 and a2 may go; b waits behind b0.
     let next = repo
         .claim(ClaimRequest::new(10, lease).published(vec![ids["a0"].clone()]))
         .await
         .unwrap();
-    assert_eq!(claimed(&next), [ids["a1"].clone(), ids["a2"].clone()]);
+    assert_eq!(claimed_ids(&next), [ids["a1"].clone(), ids["a2"].clone()]);
     db.close().await;
 }
 
@@ -613,7 +615,7 @@ async fn a_row_that_cannot_be_claimed_ends_its_keys_run() {
     let repo = PgOutboxRepository::new(db.pool.clone());
     let lease = Duration::from_secs(30);
     let claimed = |claim: &trellis_outbox::Claim| -> Vec<String> {
-        let mut ids: Vec<String> = claim.messages.iter().map(|m| m.id.clone()).collect();
+        let mut ids = claimed_ids(claim);
         ids.sort();
         ids
     };
@@ -681,14 +683,7 @@ async fn the_postgres_claim_serves_keys_round_robin() {
     let lease = Duration::from_secs(30);
     let claim = |limit: usize| {
         let repo = &repo;
-        async move {
-            let claim = repo.claim(ClaimRequest::new(limit, lease)).await.unwrap();
-            claim
-                .messages
-                .iter()
-                .map(|m| m.id.clone())
-                .collect::<Vec<_>>()
-        }
+        async move { claimed_ids(&repo.claim(ClaimRequest::new(limit, lease)).await.unwrap()) }
     };
     let mut first = Vec::new();
     for n in 0..3 {
