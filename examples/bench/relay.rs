@@ -811,21 +811,20 @@ impl LatencyRig<'_> {
     async fn segment(&self, run: &mut ModeRun, seqs: Range<u64>) -> Result<(), BoxError> {
         let count = seqs.end - seqs.start;
         let subject = run.subject.clone();
-        let sent = match run.mode {
-            Mode::DualWrite => {
-                produce_dual_write(&self.pg.pool, self.js, &subject, seqs, self.interval).await?
-            }
+        // What the producer committed, and the dispatcher to stop once all arrived.
+        let (sent, dispatcher) = match run.mode {
+            Mode::DualWrite => (
+                produce_dual_write(&self.pg.pool, self.js, &subject, seqs, self.interval).await,
+                None,
+            ),
             Mode::InProcess => {
                 let (pool, js) = run.pool.clone().ok_or("the in-process mode has a pool")?;
                 let builder = latency_dispatcher(&pool, &js, self.settings, &run.stages);
-                let dispatcher = match self.own {
-                    // Pool, NATS connection and task all on that runtime, so its worker
-                    // drives their I/O instead of the producers' workers.
-                    Some(runtime) => {
-                        let _entered = runtime.enter();
-                        builder.start()?
-                    }
-                    None => builder.start()?,
+                // On `--own-runtime`: pool, NATS connection and task all on that runtime, so
+                // its worker drives their I/O instead of the producers' workers.
+                let dispatcher = {
+                    let _entered = self.own.map(tokio::runtime::Runtime::enter);
+                    builder.start()?
                 };
                 let notify = dispatcher.handle();
                 // Nobody LISTENs in this mode: the producer's outbox sends no NOTIFY.
@@ -839,10 +838,7 @@ impl LatencyRig<'_> {
                     move || notify.notify(),
                 )
                 .await;
-                let arrived = wait_for(&run.seen, run.produced + count).await;
-                dispatcher.shutdown().await;
-                arrived?;
-                sent?
+                (sent, Some(dispatcher))
             }
             Mode::ListenNotify => {
                 let (pool, js) = run.pool.clone().ok_or("the listen mode has a pool")?;
@@ -856,16 +852,22 @@ impl LatencyRig<'_> {
                     }
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
-                let sent = self.producer_process(&subject, seqs).await;
-                let arrived = wait_for(&run.seen, run.produced + count).await;
-                dispatcher.shutdown().await;
-                arrived?;
-                sent?
+                (
+                    self.producer_process(&subject, seqs).await,
+                    Some(dispatcher),
+                )
             }
         };
-        if run.mode == Mode::DualWrite {
-            wait_for(&run.seen, run.produced + count).await?;
+        // Waits only if the producer succeeded: its error is the one to report.
+        let arrived = match &sent {
+            Ok(_) => wait_for(&run.seen, run.produced + count).await,
+            Err(_) => Ok(()),
+        };
+        if let Some(dispatcher) = dispatcher {
+            dispatcher.shutdown().await;
         }
+        let sent = sent?;
+        arrived?;
         if sent.len() as u64 != count {
             return Err(format!("{}: {} of {count} commits", run.mode.name(), sent.len()).into());
         }
