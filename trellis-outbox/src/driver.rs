@@ -130,6 +130,16 @@ pub(crate) mod sealed {
         }
     }
 
+    /// The lease a [handed-over](crate::HandoffTransaction) row is written with: the
+    /// dispatcher's token for handoffs, how long, and whether to write upstream Trellis'
+    /// lease (`next_attempt_at`) too.
+    #[derive(Debug, Clone, Copy)]
+    pub struct Lease<'a> {
+        pub token: &'a str,
+        pub lease: Duration,
+        pub beside_upstream: bool,
+    }
+
     /// Enqueue and inbox: what [`Outbox`](crate::Outbox) asks of a database.
     ///
     /// Each driver writes the statements of an enqueue ([`insert_row`](Self::insert_row),
@@ -151,6 +161,15 @@ pub(crate) mod sealed {
         fn insert_row<'a>(
             on: &'a mut Enqueue<'_, Self>,
             record: &'a PreparedOutboxRecord,
+        ) -> impl Future<Output = Result<bool>> + Send + 'a;
+
+        /// Runs the leased enqueue of `record` (which has no ordering key): a `pending` row at
+        /// `on.now` held by `lease` from the database's clock at the insert. Whether it
+        /// inserted the row.
+        fn insert_leased_row<'a>(
+            on: &'a mut Enqueue<'_, Self>,
+            record: &'a PreparedOutboxRecord,
+            lease: Lease<'a>,
         ) -> impl Future<Output = Result<bool>> + Send + 'a;
 
         /// Inserts `records` in as few statements as the database's limits allow; how many
@@ -195,6 +214,24 @@ pub(crate) mod sealed {
                     return Ok(OutboxMessage::pending(record, on.now));
                 }
                 Self::stored(on.conn, sql, &record).await
+            }
+        }
+
+        /// Writes `record` (no ordering key) leased to `lease`; the row as stored, and whether
+        /// this call wrote it (and so holds its lease): otherwise the row with its id, if
+        /// its content is the record's ([`stored`](Self::stored)).
+        fn insert_leased<'a>(
+            conn: &'a mut Self::Connection,
+            sql: &'a SqlStatements,
+            record: PreparedOutboxRecord,
+            lease: Lease<'a>,
+        ) -> impl Future<Output = Result<(OutboxMessage, bool)>> + Send + 'a {
+            async move {
+                let mut on = Enqueue::new(conn, sql);
+                if Self::insert_leased_row(&mut on, &record, lease).await? {
+                    return Ok((OutboxMessage::pending(record, on.now), true));
+                }
+                Ok((Self::stored(on.conn, sql, &record).await?, false))
             }
         }
 

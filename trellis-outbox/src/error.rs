@@ -70,6 +70,14 @@ pub enum Error {
         problem: String,
     },
 
+    /// A [`HandoffTransaction`](crate::HandoffTransaction) could not be started: the
+    /// dispatcher cannot take rows handed over at commit on this transaction.
+    #[error("cannot hand rows over to this dispatcher: {problem}")]
+    Handoff {
+        /// Why not.
+        problem: &'static str,
+    },
+
     /// A retention call was given an out-of-range option.
     #[error("invalid retention option: {problem}")]
     InvalidRetention {

@@ -115,9 +115,9 @@ pub use crate::descriptor::{
 pub use crate::dispatch::{
     Backlog, BoxError, Claim, ClaimRequest, DEFAULT_BACKLOG_EVERY, DispatchError, DispatchOptions,
     DispatchReport, Dispatched, DispatcherBuilder, DispatcherHandle, Disposition, ErrorCallback,
-    Failure, FailureOutcome, MAX_RETRY_DELAY, MIN_RETRY_DELAY, MemoryOutboxRepository,
-    OutboxDispatcher, OutboxRepository, PoisonRow, PublishError, Publisher, RetryOutcome,
-    RetryPolicy, dispatch_outbox,
+    Failure, FailureOutcome, HandoffTarget, HandoffTransaction, MAX_RETRY_DELAY, MIN_RETRY_DELAY,
+    MemoryOutboxRepository, OutboxDispatcher, OutboxRepository, PoisonRow, PublishError, Publisher,
+    RetryOutcome, RetryPolicy, dispatch_outbox,
 };
 pub use crate::driver::OutboxDatabase;
 pub use crate::error::{Error, Result, TableKind};

@@ -120,6 +120,14 @@ texts! {
     /// `ordering_skip_dead` (Postgres $15, $16; SQLite ?14, ?15) and on SQLite numbers the row.
     /// Records without a key use `enqueue`, upstream's statement.
     enqueue_ordered,
+    /// `enqueue` of a row leased at once to a dispatcher that publishes it after the commit
+    /// ([`HandoffTransaction`](crate::HandoffTransaction)): also writes `claim_token` and
+    /// `claimed_until` (the database's clock at the insert plus the lease), and upstream's
+    /// lease (`next_attempt_at`) when asked. Postgres: $1–$10 as `enqueue`, $11 token,
+    /// $12 lease in seconds, $13 whether to write upstream's lease; SQLite: ?1–?10, ?11
+    /// token, ?12 lease modifier, ?13 the same flag. No `NOTIFY`: no other dispatcher
+    /// could claim the row before its lease ends.
+    enqueue_leased,
     /// One stored row by id, [`COLUMNS`] in order.
     select_by_id,
     inbox_insert,

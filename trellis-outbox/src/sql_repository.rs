@@ -8,12 +8,13 @@ use std::time::Duration;
 use sqlx::Pool;
 
 use crate::dispatch::{
-    Backlog, Claim, ClaimRequest, Dispatched, Failure, OutboxRepository, PoisonRow, RetryOutcome,
-    due_in,
+    Backlog, Claim, ClaimRequest, Dispatched, Failure, HandoffTarget, OutboxRepository, PoisonRow,
+    RetryOutcome, due_in,
 };
 use crate::driver::OutboxDatabase;
 use crate::driver::sealed::{ClaimDue, Fenced, On};
 use crate::error::{Error, Result};
+use crate::outbox::Outbox;
 use crate::sql::SqlStatements;
 use crate::tables::OutboxTables;
 
@@ -43,6 +44,8 @@ pub struct SqlOutboxRepository<DB: OutboxDatabase> {
     sql: Arc<SqlStatements>,
     only: Arc<DB::Only>,
     beside_upstream: bool,
+    /// The outbox on this repository's tables, for handoffs.
+    outbox: Outbox,
 }
 
 impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
@@ -58,6 +61,7 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
             sql: Arc::new(SqlStatements::new(DB::DIALECT, tables, false)),
             only: Arc::new(DB::only(tables)),
             beside_upstream: false,
+            outbox: Outbox::new(tables.clone()),
         }
     }
 
@@ -186,6 +190,7 @@ impl<DB: OutboxDatabase> Clone for SqlOutboxRepository<DB> {
             sql: Arc::clone(&self.sql),
             only: Arc::clone(&self.only),
             beside_upstream: self.beside_upstream,
+            outbox: self.outbox.clone(),
         }
     }
 }
@@ -290,6 +295,14 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
 
     fn overlaps_batches(&self) -> bool {
         DB::OVERLAPS_BATCHES
+    }
+
+    fn handoff_target(&self) -> Option<HandoffTarget> {
+        Some(HandoffTarget::new(
+            self.outbox.clone(),
+            DB::DIALECT,
+            self.beside_upstream,
+        ))
     }
 }
 

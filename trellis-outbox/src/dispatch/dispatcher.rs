@@ -15,12 +15,13 @@ use tracing::Instrument;
 #[cfg(feature = "postgres")]
 use crate::dispatch::error::report_error;
 use crate::dispatch::error::{DispatchError, ErrorCallback};
+use crate::dispatch::handoff::Lane;
 use crate::dispatch::options::{DispatchOptions, option_setters};
 use crate::dispatch::publisher::Publisher;
 use crate::dispatch::repository::OutboxRepository;
 #[cfg(doc)]
 use crate::dispatch::retry::RetryPolicy;
-use crate::dispatch::worker::{Retention, Timing, Worker};
+use crate::dispatch::worker::{LaneReceiver, Retention, Timing, Worker};
 
 /// How often a dispatcher reports the backlog gauges, by default.
 pub const DEFAULT_BACKLOG_EVERY: Duration = Duration::from_secs(15);
@@ -167,9 +168,29 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
             tokio::runtime::Handle::try_current().map_err(|_| DispatchError::NoRuntime)?;
         let (wake_tx, wake_rx) = mpsc::channel(1);
         let cancel = CancellationToken::new();
+        let (handoffs, lane) = match self.repository.handoff_target() {
+            Some(target) => {
+                let (rows_tx, rows_rx) = mpsc::unbounded_channel();
+                let token: Arc<str> = crate::record::new_id().into();
+                let lane = Lane {
+                    target,
+                    token: Arc::clone(&token),
+                    lease: self.options.lease,
+                    rows: rows_tx,
+                };
+                let receiver = LaneReceiver {
+                    rows: rows_rx,
+                    token,
+                    wake: wake_tx.clone(),
+                };
+                (Some(lane), Some(receiver))
+            }
+            None => (None, None),
+        };
         let worker = Worker {
             repo: Arc::new(self.repository),
-            publisher: self.publisher,
+            publisher: Arc::new(self.publisher),
+            lane,
             options: self.options,
             timing: Timing {
                 debounce: self.debounce.min(self.max_wait),
@@ -191,6 +212,7 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
             shared: Arc::new(Shared {
                 wake: wake_tx,
                 cancel: cancel.clone(),
+                handoffs,
             }),
         };
         #[cfg(feature = "postgres")]
@@ -214,6 +236,9 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
 struct Shared {
     wake: mpsc::Sender<()>,
     cancel: CancellationToken,
+    /// Where [`HandoffTransaction`](crate::HandoffTransaction)s hand rows over, if the
+    /// repository has an SQL outbox.
+    handoffs: Option<Lane>,
 }
 
 /// A cheap, cloneable handle to wake an [`OutboxDispatcher`] — hand one to request handlers
@@ -239,6 +264,11 @@ impl DispatcherHandle {
     /// Whether the dispatcher has been told to stop (shut down or dropped).
     pub fn is_stopped(&self) -> bool {
         self.shared.cancel.is_cancelled()
+    }
+
+    /// The dispatcher's handoff lane, if its repository has an SQL outbox.
+    pub(super) fn handoffs(&self) -> Option<&Lane> {
+        self.shared.handoffs.as_ref()
     }
 }
 

@@ -6,6 +6,7 @@
 //! one claims and sequences batches (overlapping them where the repository allows),
 //! [`publish`] runs the publisher under the lease, [`mark`] records the outcome.
 
+mod handoff;
 mod mark;
 mod publish;
 

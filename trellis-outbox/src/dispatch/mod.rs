@@ -6,12 +6,15 @@
 //! - `engine.rs`: one drain — claim, then `engine/publish.rs` under the lease, then
 //!   `engine/mark.rs` — used by [`dispatch_outbox`] and by every drain of the task.
 //! - `worker.rs`: when the task drains; `dispatcher.rs`: building, waking and stopping it.
+//! - `handoff.rs`: rows written leased and handed to the task at commit
+//!   ([`HandoffTransaction`]); `engine/handoff.rs` publishes them.
 //! - `error.rs`: what goes wrong and how it is reported.
 
 mod claim;
 mod dispatcher;
 mod engine;
 mod error;
+mod handoff;
 mod memory;
 mod options;
 mod publisher;
@@ -26,6 +29,7 @@ pub use engine::dispatch_outbox;
 #[cfg(feature = "nats")]
 pub(crate) use error::panic_message;
 pub use error::{DispatchError, Disposition, ErrorCallback};
+pub use handoff::{HandoffTarget, HandoffTransaction};
 pub use memory::MemoryOutboxRepository;
 pub use options::{DispatchOptions, DispatchReport};
 pub use publisher::{BoxError, PublishError, Publisher};

@@ -9,6 +9,7 @@ use chrono::{DateTime, Utc};
 use crate::error::Result;
 
 pub use super::claim::{Claim, ClaimRequest, PoisonRow};
+use super::handoff::HandoffTarget;
 
 /// How much is waiting in an outbox: what the dispatcher reports as the
 /// [`UNDISPATCHED`](crate::metrics::UNDISPATCHED) and [`LAG_SECONDS`](crate::metrics::LAG_SECONDS)
@@ -344,6 +345,15 @@ pub trait OutboxRepository: Send + Sync + 'static {
     fn overlaps_batches(&self) -> bool {
         false
     }
+
+    /// Where a [`HandoffTransaction`](crate::HandoffTransaction) of a dispatcher over this
+    /// repository writes its rows: the SQL repositories answer their outbox and database;
+    /// the default, `None`, means handoffs are not supported (a dispatcher's
+    /// [`handoff`](crate::DispatcherHandle::handoff) then fails). Only this crate can build a
+    /// [`HandoffTarget`].
+    fn handoff_target(&self) -> Option<HandoffTarget> {
+        None
+    }
 }
 
 // Sharing: a dispatcher can run over an `Arc` of a repository the application also uses
@@ -408,6 +418,10 @@ impl<R: OutboxRepository> OutboxRepository for Arc<R> {
 
     fn overlaps_batches(&self) -> bool {
         (**self).overlaps_batches()
+    }
+
+    fn handoff_target(&self) -> Option<HandoffTarget> {
+        (**self).handoff_target()
     }
 }
 

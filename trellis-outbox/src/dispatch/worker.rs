@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::dispatch::engine::{Engine, Wave, deadline};
 use crate::dispatch::error::{DispatchError, ErrorCallback, report_error};
+use crate::dispatch::handoff::Handoff;
 use crate::dispatch::options::{DispatchOptions, DispatchReport};
 use crate::dispatch::publisher::Publisher;
 use crate::dispatch::repository::{OutboxRepository, PoisonRow};
@@ -25,7 +26,10 @@ use crate::dispatch::retry::MIN_RETRY_DELAY;
 pub(super) struct Worker<R, P> {
     /// Shared with the task that asks for the next due time.
     pub(super) repo: Arc<R>,
-    pub(super) publisher: P,
+    /// Shared with the handoff lane.
+    pub(super) publisher: Arc<P>,
+    /// Rows handed over at commit, if the repository takes handoffs.
+    pub(super) lane: Option<LaneReceiver>,
     pub(super) options: DispatchOptions,
     pub(super) timing: Timing,
     pub(super) on_error: Option<ErrorCallback>,
@@ -36,6 +40,15 @@ pub(super) struct Worker<R, P> {
     pub(super) retention: Option<Retention>,
     /// Reporting the backlog gauges: how often, and when next.
     pub(super) backlog: Option<(Duration, Instant)>,
+}
+
+/// The task's end of the handoff lane.
+pub(super) struct LaneReceiver {
+    pub(super) rows: mpsc::UnboundedReceiver<Handoff>,
+    /// The token handed-over rows are written with.
+    pub(super) token: Arc<str>,
+    /// The drains' notify channel: told when handed-over rows failed.
+    pub(super) wake: mpsc::Sender<()>,
 }
 
 /// When the task drains besides notifies and retry timers.
@@ -90,7 +103,46 @@ enum Wake {
 }
 
 impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
+    /// Runs the drains and, beside them in the same task, the handoff lane, until shutdown.
     pub(super) async fn run(mut self) {
+        let Some(mut lane) = self.lane.take() else {
+            return self.drains().await;
+        };
+        let repo = Arc::clone(&self.repo);
+        let publisher = Arc::clone(&self.publisher);
+        let (options, on_error, cancel) = (
+            self.options.clone(),
+            self.on_error.clone(),
+            self.cancel.clone(),
+        );
+        let handoffs = async move {
+            let engine = Engine {
+                repo: &*repo,
+                publisher: &*publisher,
+                options: &options,
+                on_error: on_error.as_deref(),
+                cancel: Some(&cancel),
+            };
+            // A panic (in the repository: the publisher's are caught) ends one batch, not
+            // the lane: the rows of that batch wait for their lease.
+            while !cancel.is_cancelled() {
+                let lane = engine.handoff_lane(&mut lane.rows, &lane.token, &lane.wake);
+                match guarded("handoff lane", async {
+                    lane.await;
+                    Ok(())
+                })
+                .await
+                {
+                    Ok(()) => break,
+                    Err(error) => report_error(on_error.as_deref(), &error),
+                }
+            }
+        };
+        tokio::join!(self.drains(), handoffs);
+    }
+
+    /// The drains: at start, then when notified, due or idle, until shutdown.
+    async fn drains(&mut self) {
         tracing::debug!("outbox dispatcher started");
         if !self.start_up().await {
             return;
@@ -294,7 +346,7 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
     async fn drain(&mut self) -> Result<Drained, DispatchError> {
         let engine = Engine {
             repo: &*self.repo,
-            publisher: &self.publisher,
+            publisher: &*self.publisher,
             options: &self.options,
             on_error: self.on_error.as_deref(),
             cancel: Some(&self.cancel),

@@ -8,7 +8,8 @@ use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, PgPool, Postgres, Transaction};
 
 use super::sql;
-use crate::driver::sealed::{Backend, Enqueue, MigrationBackend, RowsAffected};
+use crate::driver::sealed::{Backend, Enqueue, Lease, MigrationBackend, RowsAffected};
+use crate::driver::sql_seconds;
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
 use crate::row::{bind_content, bind_ordering, first_id, headers_json, read};
@@ -63,6 +64,26 @@ impl Backend for Postgres {
             .await
             .map_err(Error::enqueue(&record.id))?;
         Ok(inserted.is_some())
+    }
+
+    async fn insert_leased_row(
+        on: &mut Enqueue<'_, Self>,
+        record: &PreparedOutboxRecord,
+        lease: Lease<'_>,
+    ) -> Result<bool> {
+        let result = bind_content(sqlx::query(statement(&on.sql.text.enqueue_leased)), record)
+            .bind(Json(&record.headers))
+            .bind("pending")
+            .bind(0_i32)
+            .bind(on.now)
+            .bind(on.now)
+            .bind(lease.token)
+            .bind(sql_seconds(lease.lease))
+            .bind(lease.beside_upstream)
+            .execute(&mut *on.conn)
+            .await
+            .map_err(Error::enqueue(&record.id))?;
+        Ok(result.rows_affected() == 1)
     }
 
     async fn insert_rows(

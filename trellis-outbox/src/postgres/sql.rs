@@ -33,6 +33,16 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
              SELECT CASE WHEN $14::text IS NOT NULL THEN pg_notify($14, '')::text END FROM inserted"
         )
         .into(),
+        // `clock_timestamp()`, not `now()`: the lease counts from the insert, not from the
+        // start of the transaction, which may have begun long before.
+        enqueue_leased: format!(
+            "INSERT INTO {o} ({COLUMNS}, claim_token, claimed_until) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, \
+             CASE WHEN $13 THEN clock_timestamp() + make_interval(secs => $12) END, NULL, NULL, \
+             $11, clock_timestamp() + make_interval(secs => $12)) \
+             ON CONFLICT (id) DO NOTHING"
+        )
+        .into(),
         select_by_id: format!("SELECT {COLUMNS} FROM {o} WHERE id = $1").into(),
         inbox_insert: format!(
             "INSERT INTO {i} (message_id, received_at) VALUES ($1, $2) ON CONFLICT (message_id) DO NOTHING"

@@ -9,7 +9,8 @@ use sqlx::sqlite::{SqliteQueryResult, SqliteRow};
 use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool, Transaction};
 
 use super::sql;
-use crate::driver::sealed::{Backend, Enqueue, MigrationBackend, RowsAffected};
+use crate::driver::sealed::{Backend, Enqueue, Lease, MigrationBackend, RowsAffected};
+use crate::driver::sql_seconds;
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
 use crate::row::{RawRow, bind_content, bind_ordering, first_id, get, headers_json, read};
@@ -60,6 +61,27 @@ impl Backend for Sqlite {
             .bind(None::<String>)
             .bind(None::<String>);
         let result = bind_ordering(query, record)
+            .execute(&mut *on.conn)
+            .await
+            .map_err(Error::enqueue(&record.id))?;
+        Ok(result.rows_affected() == 1)
+    }
+
+    async fn insert_leased_row(
+        on: &mut Enqueue<'_, Self>,
+        record: &PreparedOutboxRecord,
+        lease: Lease<'_>,
+    ) -> Result<bool> {
+        let stamp = format_timestamp(on.now);
+        let result = bind_content(sqlx::query(statement(&on.sql.text.enqueue_leased)), record)
+            .bind(headers_json(record)?)
+            .bind("pending")
+            .bind(0_i32)
+            .bind(&stamp)
+            .bind(&stamp)
+            .bind(lease.token)
+            .bind(format!("+{:.3} seconds", sql_seconds(lease.lease)))
+            .bind(lease.beside_upstream)
             .execute(&mut *on.conn)
             .await
             .map_err(Error::enqueue(&record.id))?;

@@ -36,6 +36,13 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
              WHERE ordering_key = ?14 AND state <> 'dispatched'), ?15) ON CONFLICT(id) DO NOTHING"
         )
         .into(),
+        enqueue_leased: format!(
+            "INSERT INTO {o} ({COLUMNS}, claim_token, claimed_until) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, \
+             CASE WHEN ?13 THEN strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?12) END, NULL, NULL, \
+             ?11, strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?12)) ON CONFLICT(id) DO NOTHING"
+        )
+        .into(),
         select_by_id: format!("SELECT {COLUMNS} FROM {o} WHERE id = ?").into(),
         inbox_insert: format!(
             "INSERT INTO {i} (message_id, received_at) VALUES (?, ?) ON CONFLICT(message_id) DO NOTHING"

@@ -1,0 +1,509 @@
+//! Handoffs at commit (`HandoffTransaction`): rows written leased to the in-process
+//! dispatcher are published right after the commit without a claim, exactly once; rolled
+//! back rows never; rows never handed over (a dead dispatcher, a transaction that outlived
+//! its lease) are claimed by a dispatcher once their lease ends, still exactly once.
+//! Real Postgres and SQLite.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde_json::json;
+use sqlx::Pool;
+use tokio::time::{Instant, sleep};
+use trellis_outbox::{
+    DispatchError, Error, MemoryOutboxRepository, OutboxDatabase, OutboxDispatcher,
+    OutboxRepository, OutboxTransactionExt, PgOutboxRepository, PreparedOutboxRecord,
+    SqlOutboxRepository, SqliteOutboxRepository, migrate,
+};
+use trellis_outbox_tests::publisher::RecordingPublisher;
+use trellis_outbox_tests::{TestPg, TestSqlite};
+
+/// Long enough that neither a claim after the lease nor the idle poll can explain a publish.
+const HOUR: Duration = Duration::from_secs(3600);
+const WAIT: Duration = Duration::from_secs(30);
+
+fn record(n: usize) -> PreparedOutboxRecord {
+    PreparedOutboxRecord::event(
+        "Orders.Placed",
+        "events.v1.Orders.Placed",
+        &json!({ "n": n }),
+    )
+    .unwrap()
+}
+
+fn keyed(n: usize, key: &str) -> PreparedOutboxRecord {
+    record(n).ordered_by(key)
+}
+
+/// How many times each row was published.
+fn publishes(publisher: &RecordingPublisher) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    for id in publisher.successes() {
+        *counts.entry(id).or_default() += 1;
+    }
+    counts
+}
+
+async fn undispatched<DB: OutboxDatabase>(pool: &Pool<DB>) -> u64 {
+    SqlOutboxRepository::new(pool.clone())
+        .backlog()
+        .await
+        .unwrap()
+        .unwrap()
+        .undispatched
+}
+
+/// Waits until `ids` were each published and no row is left undispatched.
+async fn settled<DB: OutboxDatabase>(
+    pool: &Pool<DB>,
+    publisher: &RecordingPublisher,
+    ids: &[&str],
+) {
+    let start = Instant::now();
+    loop {
+        let published = publishes(publisher);
+        if ids.iter().all(|id| published.contains_key(*id)) && undispatched(pool).await == 0 {
+            return;
+        }
+        assert!(
+            start.elapsed() < WAIT,
+            "not settled after {WAIT:?}: published {published:?}, {} undispatched",
+            undispatched(pool).await
+        );
+        sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A dispatcher that neither polls nor gets notified: only handoffs reach it (leases of an
+/// hour, so no claim takes a handed-over row either).
+fn quiet<DB: OutboxDatabase>(pool: &Pool<DB>, publisher: &RecordingPublisher) -> OutboxDispatcher {
+    OutboxDispatcher::builder(SqlOutboxRepository::new(pool.clone()), publisher.clone())
+        .lease(HOUR)
+        .idle_interval(HOUR)
+        .start()
+        .unwrap()
+}
+
+async fn committed_rows_are_published_at_once<DB: OutboxDatabase>(pool: Pool<DB>) {
+    migrate(&pool).await.unwrap();
+    let publisher = RecordingPublisher::new();
+    let dispatcher = quiet(&pool, &publisher);
+    // Drained once at start (nothing there); from now on only a handoff publishes.
+    sleep(Duration::from_millis(50)).await;
+    let handle = dispatcher.handle();
+    let records: Vec<_> = (0..3).map(record).collect();
+    let mut tx = handle.begin(&pool).await.unwrap();
+    for r in &records {
+        tx.enqueue(r).await.unwrap();
+    }
+    assert_eq!(tx.handed_over(), 3);
+    let started = Instant::now();
+    tx.commit().await.unwrap();
+    let ids: Vec<&str> = records.iter().map(|r| r.id.as_str()).collect();
+    settled(&pool, &publisher, &ids).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "published and marked without a claim"
+    );
+    // Nothing was claimed: one batch, published once per row.
+    assert!(publishes(&publisher).values().all(|&n| n == 1));
+    assert_eq!(publisher.batches(), 1);
+    dispatcher.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_committed_rows_are_published_at_once() {
+    let db = TestPg::new().await;
+    committed_rows_are_published_at_once(db.pool.clone()).await;
+    db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_committed_rows_are_published_at_once() {
+    let db = TestSqlite::new().await;
+    committed_rows_are_published_at_once(db.pool.clone()).await;
+}
+
+async fn rolled_back_rows_are_never_published<DB: OutboxDatabase>(pool: Pool<DB>) {
+    migrate(&pool).await.unwrap();
+    let publisher = RecordingPublisher::new();
+    let dispatcher = quiet(&pool, &publisher);
+    let handle = dispatcher.handle();
+    let mut tx = handle.begin(&pool).await.unwrap();
+    tx.enqueue(&record(1)).await.unwrap();
+    tx.rollback().await.unwrap();
+    {
+        let mut tx = handle.begin(&pool).await.unwrap();
+        tx.enqueue(&record(2)).await.unwrap();
+        // Dropped: rolled back.
+    }
+    let kept = record(3);
+    let mut tx = handle.begin(&pool).await.unwrap();
+    tx.enqueue(&kept).await.unwrap();
+    tx.commit().await.unwrap();
+    settled(&pool, &publisher, &[&kept.id]).await;
+    dispatcher.shutdown().await;
+    assert_eq!(publisher.successes(), vec![kept.id]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_rolled_back_rows_are_never_published() {
+    let db = TestPg::new().await;
+    rolled_back_rows_are_never_published(db.pool.clone()).await;
+    db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_rolled_back_rows_are_never_published() {
+    let db = TestSqlite::new().await;
+    rolled_back_rows_are_never_published(db.pool.clone()).await;
+}
+
+/// A dispatcher that dies holding handed-over rows (aborted while its publisher hangs)
+/// leaves them leased; another dispatcher claims them once the lease ends, not before,
+/// and publishes each once.
+async fn rows_of_a_dead_dispatcher_are_claimed_after_their_lease<DB: OutboxDatabase>(
+    pool: Pool<DB>,
+) {
+    migrate(&pool).await.unwrap();
+    let lease = Duration::from_secs(2);
+    let hung = RecordingPublisher::new();
+    let records: Vec<_> = (0..3).map(record).collect();
+    let gate = hung.hold(&records[0].id);
+    let dying = OutboxDispatcher::builder(SqlOutboxRepository::new(pool.clone()), hung.clone())
+        .lease(lease)
+        .idle_interval(HOUR)
+        .start()
+        .unwrap();
+    let mut tx = dying.handle().begin(&pool).await.unwrap();
+    for r in &records {
+        tx.enqueue(r).await.unwrap();
+    }
+    let committed = Instant::now();
+    tx.commit().await.unwrap();
+    // The lane has called the publisher, which hangs: the rows are in flight.
+    let start = Instant::now();
+    while hung.total_attempts() == 0 {
+        assert!(
+            start.elapsed() < WAIT,
+            "the handoff never reached the publisher"
+        );
+        sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        !dying.shutdown_timeout(Duration::ZERO).await,
+        "aborted, as a kill would"
+    );
+    drop(gate);
+
+    let publisher = RecordingPublisher::new();
+    let survivor =
+        OutboxDispatcher::builder(SqlOutboxRepository::new(pool.clone()), publisher.clone())
+            .idle_interval(Duration::from_millis(20))
+            .start()
+            .unwrap();
+    let ids: Vec<&str> = records.iter().map(|r| r.id.as_str()).collect();
+    settled(&pool, &publisher, &ids).await;
+    let first = publisher
+        .attempts()
+        .into_iter()
+        .map(|a| a.at)
+        .min()
+        .unwrap();
+    assert!(
+        first.duration_since(committed) >= lease - Duration::from_millis(100),
+        "claimed {:?} after the commit, before the lease of {lease:?} ended",
+        first.duration_since(committed)
+    );
+    assert!(publishes(&publisher).values().all(|&n| n == 1));
+    assert_eq!(hung.successes(), Vec::<String>::new());
+    survivor.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_rows_of_a_dead_dispatcher_are_claimed_after_their_lease() {
+    let db = TestPg::new().await;
+    rows_of_a_dead_dispatcher_are_claimed_after_their_lease(db.pool.clone()).await;
+    db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_rows_of_a_dead_dispatcher_are_claimed_after_their_lease() {
+    let db = TestSqlite::new().await;
+    rows_of_a_dead_dispatcher_are_claimed_after_their_lease(db.pool.clone()).await;
+}
+
+/// A transaction that commits after its rows' lease ended: another dispatcher may claim
+/// them at once, while the handoff arrives past its deadline. Each row is still
+/// published once (the handoff re-takes the lease by its token only if nobody claimed the
+/// row meanwhile).
+async fn a_transaction_that_outlived_its_lease_publishes_once<DB: OutboxDatabase>(pool: Pool<DB>) {
+    migrate(&pool).await.unwrap();
+    let publisher = RecordingPublisher::new();
+    let slow = OutboxDispatcher::builder(SqlOutboxRepository::new(pool.clone()), publisher.clone())
+        .lease(Duration::from_millis(300))
+        .idle_interval(HOUR)
+        .start()
+        .unwrap();
+    let poller =
+        OutboxDispatcher::builder(SqlOutboxRepository::new(pool.clone()), publisher.clone())
+            .idle_interval(Duration::from_millis(10))
+            .start()
+            .unwrap();
+    let mut all = Vec::new();
+    for round in 0..5 {
+        let records: Vec<_> = (0..4).map(|n| record(round * 10 + n)).collect();
+        let mut tx = slow.handle().begin(&pool).await.unwrap();
+        for r in &records {
+            tx.enqueue(r).await.unwrap();
+        }
+        // Past the lease before the commit.
+        sleep(Duration::from_millis(400)).await;
+        tx.commit().await.unwrap();
+        all.extend(records.into_iter().map(|r| r.id));
+    }
+    let ids: Vec<&str> = all.iter().map(String::as_str).collect();
+    settled(&pool, &publisher, &ids).await;
+    // Late publishes would show up now.
+    sleep(Duration::from_millis(500)).await;
+    let counts = publishes(&publisher);
+    assert_eq!(counts.len(), all.len());
+    assert!(
+        counts.values().all(|&n| n == 1),
+        "published twice: {counts:?}"
+    );
+    slow.shutdown().await;
+    poller.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_transaction_that_outlived_its_lease_publishes_once() {
+    let db = TestPg::new().await;
+    a_transaction_that_outlived_its_lease_publishes_once(db.pool.clone()).await;
+    db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_transaction_that_outlived_its_lease_publishes_once() {
+    let db = TestSqlite::new().await;
+    a_transaction_that_outlived_its_lease_publishes_once(db.pool.clone()).await;
+}
+
+/// Keyed records, records enqueued the usual way and ids already stored take the usual
+/// path: not handed over, published after the commit's notify, in key order.
+async fn keyed_and_existing_rows_take_the_usual_path<DB: OutboxDatabase>(pool: Pool<DB>) {
+    migrate(&pool).await.unwrap();
+    let publisher = RecordingPublisher::new();
+    let dispatcher = quiet(&pool, &publisher);
+    let handle = dispatcher.handle();
+    let existing = record(0);
+    let mut tx = pool.begin().await.unwrap();
+    tx.enqueue(&existing).await.unwrap();
+    tx.commit().await.unwrap();
+    handle.notify();
+    settled(&pool, &publisher, &[&existing.id]).await;
+
+    let (a, b, plain) = (keyed(1, "order-1"), keyed(2, "order-1"), record(3));
+    let mut tx = handle.begin(&pool).await.unwrap();
+    tx.enqueue(&existing).await.unwrap();
+    tx.enqueue(&a).await.unwrap();
+    tx.enqueue(&b).await.unwrap();
+    assert_eq!(
+        tx.handed_over(),
+        0,
+        "keyed and stored rows are not handed over"
+    );
+    tx.enqueue(&plain).await.unwrap();
+    assert_eq!(tx.handed_over(), 1);
+    tx.commit().await.unwrap();
+    settled(&pool, &publisher, &[&a.id, &b.id, &plain.id]).await;
+    dispatcher.shutdown().await;
+    let order = publisher.successes();
+    let pos = |id: &str| order.iter().position(|x| x == id).unwrap();
+    assert!(pos(&a.id) < pos(&b.id), "key order kept: {order:?}");
+    assert!(publishes(&publisher).values().all(|&n| n == 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_keyed_and_existing_rows_take_the_usual_path() {
+    let db = TestPg::new().await;
+    keyed_and_existing_rows_take_the_usual_path(db.pool.clone()).await;
+    db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_keyed_and_existing_rows_take_the_usual_path() {
+    let db = TestSqlite::new().await;
+    keyed_and_existing_rows_take_the_usual_path(db.pool.clone()).await;
+}
+
+/// A handed-over row whose publish fails is marked failed and retried by the drains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_handoff_is_retried_by_the_drains() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let publisher = RecordingPublisher::new();
+    let r = record(1);
+    publisher.fail_times(&r.id, 1, "no responders");
+    let dispatcher =
+        OutboxDispatcher::builder(PgOutboxRepository::new(db.pool.clone()), publisher.clone())
+            .idle_interval(HOUR)
+            .retry_policy(trellis_outbox::RetryPolicy::fixed(Duration::from_millis(
+                100,
+            )))
+            .start()
+            .unwrap();
+    let mut tx = dispatcher.handle().begin(&db.pool).await.unwrap();
+    tx.enqueue(&r).await.unwrap();
+    tx.commit().await.unwrap();
+    settled(&db.pool, &publisher, &[&r.id]).await;
+    assert_eq!(publisher.attempts_of(&r.id), vec![0, 1]);
+    dispatcher.shutdown().await;
+    db.close().await;
+}
+
+/// Four dispatchers on one Postgres, each handed rows by its own writers, while also
+/// draining rows enqueued the usual way and keyed rows: every row is published once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_dispatchers_with_handoffs_publish_every_row_once() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let publisher = RecordingPublisher::new();
+    let dispatchers: Vec<_> = (0..4)
+        .map(|_| {
+            OutboxDispatcher::builder(PgOutboxRepository::new(db.pool.clone()), publisher.clone())
+                .batch_size(7)
+                .lease(Duration::from_millis(500))
+                .idle_interval(Duration::from_millis(20))
+                .start()
+                .unwrap()
+        })
+        .collect();
+    let mut writers = Vec::new();
+    for w in 0..8 {
+        let pool = db.pool.clone();
+        let handle = dispatchers[w % 4].handle();
+        writers.push(tokio::spawn(async move {
+            let mut ids = Vec::new();
+            for t in 0..40 {
+                let n = w * 1000 + t;
+                let records = [record(n), keyed(n + 500, &format!("k{}", n % 5))];
+                if t % 4 == 0 {
+                    let mut tx = pool.begin().await.unwrap();
+                    tx.enqueue(&records[0]).await.unwrap();
+                    tx.commit().await.unwrap();
+                    handle.notify();
+                } else {
+                    let mut tx = handle.begin(&pool).await.unwrap();
+                    for r in &records {
+                        tx.enqueue(r).await.unwrap();
+                    }
+                    if t % 7 == 0 {
+                        tx.rollback().await.unwrap();
+                        continue;
+                    }
+                    tx.commit().await.unwrap();
+                }
+                ids.extend(records.iter().map(|r| r.id.clone()).take(if t % 4 == 0 {
+                    1
+                } else {
+                    2
+                }));
+            }
+            ids
+        }));
+    }
+    let mut all = Vec::new();
+    for writer in writers {
+        all.extend(writer.await.unwrap());
+    }
+    let ids: Vec<&str> = all.iter().map(String::as_str).collect();
+    settled(&db.pool, &publisher, &ids).await;
+    sleep(Duration::from_millis(300)).await;
+    let counts = publishes(&publisher);
+    assert_eq!(counts.len(), all.len(), "only committed rows are published");
+    assert!(
+        counts.values().all(|&n| n == 1),
+        "a row was published twice"
+    );
+    for dispatcher in dispatchers {
+        dispatcher.shutdown().await;
+    }
+    db.close().await;
+}
+
+/// Handoffs need the dispatcher's SQL outbox on the transaction's kind of database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handoff_the_dispatcher_cannot_take_is_a_typed_error() {
+    let sqlite = TestSqlite::new().await;
+    migrate(&sqlite.pool).await.unwrap();
+    let memory =
+        OutboxDispatcher::builder(MemoryOutboxRepository::new(), RecordingPublisher::new())
+            .start()
+            .unwrap();
+    let err = memory.handle().begin(&sqlite.pool).await.unwrap_err();
+    assert!(matches!(err, Error::Handoff { .. }), "{err}");
+    assert!(err.to_string().contains("no SQL outbox table"), "{err}");
+    let on_sqlite = OutboxDispatcher::builder(
+        SqliteOutboxRepository::new(sqlite.pool.clone()),
+        RecordingPublisher::new(),
+    )
+    .start()
+    .unwrap();
+    let pg = TestPg::new().await;
+    let tx = pg.pool.begin().await.unwrap();
+    let err = on_sqlite.handle().handoff(tx).unwrap_err();
+    assert!(
+        err.to_string().contains("another kind of database"),
+        "{err}"
+    );
+    memory.shutdown().await;
+    on_sqlite.shutdown().await;
+    pg.close().await;
+}
+
+/// Shutdown releases rows handed over but not yet published: another dispatcher takes
+/// them at once, not after their lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_releases_rows_not_yet_published() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let hung = RecordingPublisher::new();
+    let (first, second) = (record(1), record(2));
+    let gate = hung.hold(&first.id);
+    let errors = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let seen = errors.clone();
+    let stopping =
+        OutboxDispatcher::builder(PgOutboxRepository::new(db.pool.clone()), hung.clone())
+            .lease(HOUR)
+            .idle_interval(HOUR)
+            .on_error(move |e: &DispatchError| seen.lock().unwrap().push(e.to_string()))
+            .start()
+            .unwrap();
+    let handle = stopping.handle();
+    for r in [&first, &second] {
+        let mut tx = handle.begin(&db.pool).await.unwrap();
+        tx.enqueue(r).await.unwrap();
+        tx.commit().await.unwrap();
+        while hung.total_attempts() == 0 {
+            sleep(Duration::from_millis(5)).await;
+        }
+    }
+    // The first batch hangs in the publisher; the second waits in the lane.
+    let stop = tokio::spawn(stopping.shutdown());
+    sleep(Duration::from_millis(100)).await;
+    gate.open();
+    stop.await.unwrap();
+    let publisher = RecordingPublisher::new();
+    let other =
+        OutboxDispatcher::builder(PgOutboxRepository::new(db.pool.clone()), publisher.clone())
+            .start()
+            .unwrap();
+    settled(&db.pool, &publisher, &[&second.id]).await;
+    assert_eq!(hung.successes(), vec![first.id.clone()]);
+    assert_eq!(publisher.successes(), vec![second.id.clone()]);
+    other.shutdown().await;
+    db.close().await;
+}

@@ -1,0 +1,107 @@
+//! The handoff lane of the dispatcher task: publishes the rows a
+//! [`HandoffTransaction`](crate::HandoffTransaction) handed over at commit, without claiming
+//! them (they were written leased to this dispatcher), then marks them with the handoff
+//! token. Runs beside the drains in the same task: the rows are leased to the lane, so no
+//! drain can claim them meanwhile.
+
+use std::pin::pin;
+
+use chrono::Utc;
+use futures_util::StreamExt as _;
+use futures_util::stream::FuturesUnordered;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::{Engine, Leased, MARKS_IN_FLIGHT, Marked, batch_span};
+use crate::dispatch::handoff::Handoff;
+use crate::dispatch::publisher::Publisher;
+use crate::dispatch::repository::{Claim, OutboxRepository};
+
+impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
+    /// Publishes handed-over rows as they arrive (those that arrived together as one batch of
+    /// at most the batch size in transactions), marking earlier batches beside the next
+    /// publish, until shutdown: then rows not yet published are released (claimable at once)
+    /// and the marks finish. `wake` (the drains' notify channel) is told when a batch left
+    /// failed rows, so the dispatcher arms its retry timer for them.
+    pub(in crate::dispatch) async fn handoff_lane(
+        &self,
+        rows: &mut mpsc::UnboundedReceiver<Handoff>,
+        token: &str,
+        wake: &mpsc::Sender<()>,
+    ) {
+        let mut marks = FuturesUnordered::new();
+        let mut received: Vec<Handoff> = Vec::new();
+        let stopped = async {
+            match self.cancel {
+                Some(cancel) => cancel.cancelled().await,
+                None => std::future::pending().await,
+            }
+        };
+        let mut stopped = pin!(stopped);
+        let settle = |marked: Marked| {
+            if marked.report.failed > 0 || marked.retry_at.is_some() {
+                let _ = wake.try_send(());
+            }
+        };
+        loop {
+            tokio::select! {
+                biased;
+                () = &mut stopped => break,
+                Some(marked) = marks.next() => {
+                    settle(marked);
+                    continue;
+                }
+                got = rows.recv_many(&mut received, self.options.batch_size) => {
+                    if got == 0 {
+                        break;
+                    }
+                }
+            }
+            let leased = leased(token, received.drain(..));
+            let span = batch_span(&leased.claim);
+            let mut publishing = pin!(self.publish(leased, span));
+            let published = loop {
+                tokio::select! {
+                    biased;
+                    out = &mut publishing => break out,
+                    Some(marked) = marks.next() => settle(marked),
+                }
+            };
+            while marks.len() >= MARKS_IN_FLIGHT {
+                if let Some(marked) = marks.next().await {
+                    settle(marked);
+                }
+            }
+            marks.push(self.mark(published));
+        }
+        // Stopping: rows handed over but not published become claimable at once.
+        rows.close();
+        while let Ok(handoff) = rows.try_recv() {
+            received.push(handoff);
+        }
+        if !received.is_empty() {
+            self.release(&leased(token, received.drain(..)).claim).await;
+        }
+        while let Some(marked) = marks.next().await {
+            settle(marked);
+        }
+    }
+}
+
+/// The handed-over rows as one claim of `token`, its lease ending at the earliest of their
+/// deadlines.
+fn leased(token: &str, handoffs: impl Iterator<Item = Handoff>) -> Leased {
+    let mut claim = Claim::empty(token.to_owned(), Utc::now());
+    let mut deadline: Option<Instant> = None;
+    for handoff in handoffs {
+        deadline = Some(deadline.map_or(handoff.deadline, |d| d.min(handoff.deadline)));
+        for message in handoff.messages {
+            // The same wire check as a claim's rows: enqueue refused anything it fails.
+            claim.push_message(message);
+        }
+    }
+    Leased {
+        claim,
+        deadline: deadline.unwrap_or_else(Instant::now),
+    }
+}
