@@ -5,17 +5,23 @@
 //! drain can claim them meanwhile.
 
 use std::pin::pin;
+use std::time::Duration;
 
 use chrono::Utc;
 use futures_util::StreamExt as _;
 use futures_util::stream::FuturesUnordered;
 use tokio::sync::mpsc;
-use tokio::time::Instant;
+use tokio::time::{Instant, sleep_until};
 
-use super::{Engine, Leased, MARKS_IN_FLIGHT, Marked, batch_span};
+use super::{Engine, Leased, MARKS_IN_FLIGHT, Marked, Published, batch_span, deadline};
 use crate::dispatch::handoff::Handoff;
 use crate::dispatch::publisher::Publisher;
 use crate::dispatch::repository::{Claim, OutboxRepository};
+
+/// How long published handed-over rows wait to be marked together. Transactions of one row
+/// each are handed over one by one: marking each as soon as it is published would commit
+/// once per row, and those commits compete with the producers' own for the WAL.
+const MARK_WINDOW: Duration = Duration::from_millis(5);
 
 impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
     /// Publishes handed-over rows as they arrive (those that arrived together as one batch of
@@ -43,12 +49,25 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 let _ = wake.try_send(());
             }
         };
+        // Published rows not yet marked, and when the first of them was published.
+        let mut unmarked: Option<(Published, Instant)> = None;
         loop {
+            let mark_at = unmarked
+                .as_ref()
+                .map(|(_, since)| deadline(*since, MARK_WINDOW));
             tokio::select! {
                 biased;
                 () = &mut stopped => break,
                 Some(marked) = marks.next() => {
                     settle(marked);
+                    continue;
+                }
+                () = sleep_until(mark_at.unwrap_or_else(Instant::now)),
+                    if mark_at.is_some() && marks.len() < MARKS_IN_FLIGHT =>
+                {
+                    if let Some((published, _)) = unmarked.take() {
+                        marks.push(self.mark(published));
+                    }
                     continue;
                 }
                 got = rows.recv_many(&mut received, self.options.batch_size) => {
@@ -67,11 +86,33 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                     Some(marked) = marks.next() => settle(marked),
                 }
             };
-            while marks.len() >= MARKS_IN_FLIGHT {
-                if let Some(marked) = marks.next().await {
-                    settle(marked);
+            // Not published (the lease could not be kept): released, nothing to mark.
+            if published.results.is_none() {
+                continue;
+            }
+            let rows_unmarked = match &mut unmarked {
+                Some((waiting, _)) => {
+                    merge(waiting, published);
+                    waiting.claim.len()
+                }
+                None => {
+                    let rows = published.claim.len();
+                    unmarked = Some((published, Instant::now()));
+                    rows
+                }
+            };
+            if rows_unmarked >= self.options.batch_size {
+                while marks.len() >= MARKS_IN_FLIGHT {
+                    if let Some(marked) = marks.next().await {
+                        settle(marked);
+                    }
+                }
+                if let Some((published, _)) = unmarked.take() {
+                    marks.push(self.mark(published));
                 }
             }
+        }
+        if let Some((published, _)) = unmarked.take() {
             marks.push(self.mark(published));
         }
         // Stopping: rows handed over but not published become claimable at once.
@@ -86,6 +127,17 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             settle(marked);
         }
     }
+}
+
+/// Adds the rows of `more` (published, like `into`) to `into`, to be marked in one go: all
+/// handed-over rows carry the same token.
+fn merge(into: &mut Published, more: Published) {
+    let (Some(results), Some(more_results)) = (&mut into.results, more.results) else {
+        return;
+    };
+    results.extend(more_results);
+    into.claim.messages.extend(more.claim.messages);
+    into.claim.poisoned.extend(more.claim.poisoned);
 }
 
 /// The handed-over rows as one claim of `token`, its lease ending at the earliest of their
