@@ -159,6 +159,47 @@ async fn an_outbox_without_notify_wakes_nobody_but_still_stores() {
     db.close().await;
 }
 
+/// `Outbox::wake` after the commit wakes the listeners of that outbox's tables (and only
+/// those), and leaves the pool's connections committing synchronously.
+#[tokio::test]
+async fn a_wake_after_the_commit_wakes_the_outboxs_listeners() {
+    let db = TestPg::new().await;
+    let billing = OutboxTables::new("billing_outbox", "billing_inbox").unwrap();
+    trellis_outbox::migrate_with(&db.pool, &billing)
+        .await
+        .unwrap();
+    let (wakeups, default_count) = listening(&db).await;
+    let count = Arc::new(AtomicUsize::new(0));
+    let c = count.clone();
+    let billing_wakeups = PgWakeups::listen(&db.pool, &billing, move || {
+        c.fetch_add(1, Ordering::SeqCst);
+    })
+    .await
+    .unwrap();
+    let billing_count = Counter(count);
+
+    let outbox = Outbox::new(billing).without_notify();
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox.enqueue(&mut tx, &record()).await.unwrap();
+    tx.commit().await.unwrap();
+    billing_count.stays(0).await;
+    outbox.wake(&db.pool).await.unwrap();
+    assert_eq!(billing_count.above(0).await, 1);
+    default_count.stays(0).await;
+    // The wake-up's `synchronous_commit = off` was its transaction's alone.
+    for _ in 0..4 {
+        let setting: String = sqlx::query_scalar("SHOW synchronous_commit")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(setting, "on");
+    }
+
+    billing_wakeups.stop().await;
+    wakeups.stop().await;
+    db.close().await;
+}
+
 /// The number of this database's connections that are listening (idle after `LISTEN`).
 async fn listeners(db: &TestPg) -> i64 {
     db.listening_connections().await.unwrap()

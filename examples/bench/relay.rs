@@ -515,14 +515,17 @@ fn now_ns() -> u64 {
 /// loop: each transaction runs in its own task, as concurrent request handlers would, so a
 /// slow commit does not lower the offered rate); returns `(seq, wall-clock ns just before
 /// commit, wall-clock ns just after)`. Calls `after_commit` after each commit.
-async fn produce(
+async fn produce<F>(
     pool: &PgPool,
     outbox: &Outbox,
     subject: &str,
     seqs: Range<u64>,
     interval: Duration,
-    after_commit: impl Fn() + Clone + Send + Sync + 'static,
-) -> Result<Vec<Sent>, BoxError> {
+    after_commit: impl Fn() -> F + Clone + Send + Sync + 'static,
+) -> Result<Vec<Sent>, BoxError>
+where
+    F: std::future::Future<Output = Result<(), BoxError>> + Send,
+{
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let mut tasks = tokio::task::JoinSet::new();
@@ -537,7 +540,7 @@ async fn produce(
             let before = now_ns();
             tx.commit().await?;
             let after = now_ns();
-            after_commit();
+            after_commit().await?;
             Ok::<_, BoxError>((seq, before, after))
         });
     }
@@ -896,7 +899,10 @@ impl LatencyRig<'_> {
                     &subject,
                     seqs,
                     self.interval,
-                    move || notify.notify(),
+                    move || {
+                        notify.notify();
+                        async { Ok(()) }
+                    },
                 )
                 .await;
                 (sent, Some(dispatcher))
@@ -1144,13 +1150,20 @@ async fn producer_child(args: &[String]) -> Result<(), BoxError> {
         .max_connections(16)
         .connect_with(options.database(db))
         .await?;
+    // No NOTIFY inside the transactions (notifying commits are flushed one at a time): a
+    // wake-up of its own after each commit.
+    let outbox = Outbox::default().without_notify();
+    let waking = (outbox.clone(), pool.clone());
     let sent = produce(
         &pool,
-        &Outbox::default(),
+        &outbox,
         subject,
         start.parse()?..end.parse()?,
         Duration::from_micros(interval_us.parse()?),
-        || {},
+        move || {
+            let (outbox, pool) = waking.clone();
+            async move { Ok(outbox.wake(&pool).await?) }
+        },
     )
     .await?;
     pool.close().await;

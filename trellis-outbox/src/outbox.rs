@@ -101,6 +101,50 @@ impl Outbox {
         }
     }
 
+    /// Wakes the dispatchers that listen on this outbox
+    /// ([`listen_postgres`](crate::DispatcherBuilder::listen_postgres),
+    /// [`PgWakeups`](crate::PgWakeups)) with a `NOTIFY` sent on `pool`, in a transaction of
+    /// its own. Call it **after** committing rows enqueued on an outbox built
+    /// [`without_notify`](Self::without_notify), in place of the `NOTIFY` each enqueue would
+    /// otherwise send inside the business transaction.
+    ///
+    /// Why: a transaction that sends a `NOTIFY` holds a cluster-wide lock from just before
+    /// its commit until its commit record is on disk, so notifying transactions commit one
+    /// at a time instead of sharing a WAL flush. This wake-up's own transaction writes
+    /// nothing and does not wait for its commit record to be flushed
+    /// (`synchronous_commit = off`, for it alone), so it holds that lock only briefly, and
+    /// the business transactions commit together again. A wake-up lost in a server crash
+    /// costs only time: the dispatcher's idle poll finds the rows.
+    ///
+    /// Takes a pool, not a connection, so it can never run inside (and change the commit of)
+    /// a business transaction.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Repository`] (operation `send a wake-up`) if the statement fails; the rows
+    /// are committed either way.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use trellis_outbox::{Outbox, PreparedOutboxRecord};
+    ///
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// let outbox = Outbox::default().without_notify();
+    /// let mut tx = pool.begin().await?;
+    /// let event = PreparedOutboxRecord::event("Invoices.Paid", "events.v1.Invoices.Paid", &7)?;
+    /// outbox.enqueue(&mut tx, &event).await?;
+    /// tx.commit().await?;
+    /// outbox.wake(&pool).await?; // the relay process's listener claims the row now
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "postgres")]
+    pub async fn wake(&self, pool: &sqlx::PgPool) -> Result<()> {
+        crate::postgres::wakeup::wake(pool, self.sql(Dialect::Postgres).notify_channel())
+            .await
+            .map_err(Error::repository("send a wake-up"))
+    }
+
     /// The tables this outbox uses.
     pub fn tables(&self) -> &OutboxTables {
         &self.inner.tables

@@ -11,7 +11,7 @@ mod repository;
 pub(crate) mod schema;
 pub(crate) mod sql;
 #[cfg(feature = "postgres")]
-mod wakeup;
+pub(crate) mod wakeup;
 
 #[cfg(feature = "postgres")]
 pub use wakeup::PgWakeups;

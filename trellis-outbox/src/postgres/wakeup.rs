@@ -13,6 +13,19 @@ use crate::sql::notify_channel;
 use crate::tables::OutboxTables;
 
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// [`Outbox::wake`](crate::Outbox::wake)'s statement: a `NOTIFY` on `$1` in a transaction of
+/// its own that does not wait for its commit record to reach the disk
+/// (`synchronous_commit = off` for that transaction only; the setting is read at commit,
+/// before the transaction's settings are undone).
+const WAKE: &str = "SELECT pg_notify($1, '')::text \
+     FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit";
+
+/// Sends [`WAKE`] on `channel` in an autocommit statement on `pool`.
+pub(crate) async fn wake(pool: &PgPool, channel: &str) -> sqlx::Result<()> {
+    sqlx::query(WAKE).bind(channel).execute(pool).await?;
+    Ok(())
+}
 const UNLISTEN_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Calls a wake-up function whenever a transaction that enqueued rows on this outbox commits,
