@@ -507,3 +507,50 @@ async fn shutdown_releases_rows_not_yet_published() {
     other.shutdown().await;
     db.close().await;
 }
+
+/// Beside an upstream Trellis dispatcher, a handed-over row also carries upstream's lease
+/// (`next_attempt_at` = the lease's end), so upstream does not take it meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn beside_upstream_a_handed_over_row_carries_upstreams_lease() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let hung = RecordingPublisher::new();
+    let r = record(1);
+    let gate = hung.hold(&r.id);
+    let dispatcher = OutboxDispatcher::builder(
+        PgOutboxRepository::new(db.pool.clone()).beside_upstream(),
+        hung.clone(),
+    )
+    .lease(Duration::from_secs(60))
+    .idle_interval(HOUR)
+    .start()
+    .unwrap();
+    let mut tx = dispatcher.handle().begin(&db.pool).await.unwrap();
+    tx.enqueue(&r).await.unwrap();
+    tx.commit().await.unwrap();
+    let (token, lease_s, upstream_s): (Option<String>, f64, f64) = sqlx::query_as(
+        "SELECT claim_token, EXTRACT(EPOCH FROM claimed_until - now())::float8, \
+         EXTRACT(EPOCH FROM next_attempt_at - now())::float8 FROM trellis_outbox WHERE id = $1",
+    )
+    .bind(&r.id)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(token.is_some());
+    assert!((55.0..=61.0).contains(&lease_s), "lease {lease_s} s");
+    assert!(
+        (lease_s - upstream_s).abs() < 1.0,
+        "upstream's lease {upstream_s} s"
+    );
+    gate.open();
+    settled(&db.pool, &hung, &[&r.id]).await;
+    let next: Option<chrono::DateTime<chrono::Utc>> =
+        sqlx::query_scalar("SELECT next_attempt_at FROM trellis_outbox WHERE id = $1")
+            .bind(&r.id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(next, None, "cleared by the mark");
+    dispatcher.shutdown().await;
+    db.close().await;
+}
