@@ -554,3 +554,41 @@ async fn beside_upstream_a_handed_over_row_carries_upstreams_lease() {
     dispatcher.shutdown().await;
     db.close().await;
 }
+
+/// Business statements run on the handoff transaction itself (`&mut *tx`): they commit or
+/// roll back together with its events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn business_rows_share_the_handoff_transaction() {
+    let db = TestSqlite::new().await;
+    migrate(&db.pool).await.unwrap();
+    sqlx::raw_sql("CREATE TABLE orders (id text PRIMARY KEY)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let publisher = RecordingPublisher::new();
+    let dispatcher = quiet(&db.pool, &publisher);
+    let handle = dispatcher.handle();
+    let (kept, dropped) = (record(1), record(2));
+    let mut tx = handle.handoff(db.pool.begin().await.unwrap()).unwrap();
+    sqlx::query("INSERT INTO orders (id) VALUES ('o-1')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.enqueue(&kept).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = handle.begin(&db.pool).await.unwrap();
+    sqlx::query("INSERT INTO orders (id) VALUES ('o-2')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.enqueue(&dropped).await.unwrap();
+    tx.rollback().await.unwrap();
+    settled(&db.pool, &publisher, &[&kept.id]).await;
+    let orders: Vec<String> = sqlx::query_scalar("SELECT id FROM orders")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(orders, vec!["o-1".to_owned()]);
+    dispatcher.shutdown().await;
+    assert_eq!(publisher.successes(), vec![kept.id]);
+}
