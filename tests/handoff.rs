@@ -17,6 +17,7 @@ use trellis_outbox::{
     OutboxRepository, OutboxTransactionExt, PgOutboxRepository, PreparedOutboxRecord,
     SqlOutboxRepository, SqliteOutboxRepository, migrate,
 };
+use trellis_outbox_tests::crash::{TablePublisher, spawn_child};
 use trellis_outbox_tests::publisher::RecordingPublisher;
 use trellis_outbox_tests::{TestPg, TestSqlite};
 
@@ -591,4 +592,115 @@ async fn business_rows_share_the_handoff_transaction() {
     assert_eq!(orders, vec!["o-1".to_owned()]);
     dispatcher.shutdown().await;
     assert_eq!(publisher.successes(), vec![kept.id]);
+}
+
+const CHILD_ENV: &str = "TRELLIS_HANDOFF_CHILD_DB";
+/// How many one-row handoff transactions the child commits.
+const CHILD_ROWS: i64 = 20;
+
+/// Not a test: the body of the child process `a_killed_process_s_handoffs_…` kills. It
+/// commits `CHILD_ROWS` handoff transactions to a dispatcher (2 s lease) whose broker stalls
+/// for a minute, then waits to be killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "entry point of the handoff crash test's child process"]
+async fn handoff_child_process() {
+    let Ok(db_name) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let options: sqlx::postgres::PgConnectOptions = trellis_outbox_tests::database_url()
+        .parse()
+        .expect("DATABASE_URL is a Postgres URL");
+    let pool = sqlx::PgPool::connect_with(options.database(&db_name))
+        .await
+        .expect("the child connects to the parent's database");
+    let dispatcher = OutboxDispatcher::builder(
+        PgOutboxRepository::new(pool.clone()),
+        TablePublisher {
+            pool: pool.clone(),
+            pause: Duration::from_secs(60),
+        },
+    )
+    .lease(Duration::from_secs(2))
+    .idle_interval(HOUR)
+    .start()
+    .expect("the child's dispatcher starts");
+    for n in 0..CHILD_ROWS {
+        let mut tx = dispatcher.handle().begin(&pool).await.unwrap();
+        tx.enqueue(&record(n as usize)).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    sleep(Duration::from_secs(120)).await;
+}
+
+/// A process killed (SIGKILL) after committing handoffs, while its dispatcher is still
+/// publishing them: the rows stay leased until their lease ends, then another dispatcher
+/// publishes each exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_process_s_handoffs_are_published_once_after_their_lease() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE published (id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut child = spawn_child("handoff_child_process", CHILD_ENV, &db.name);
+    let start = Instant::now();
+    loop {
+        let leased: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM trellis_outbox WHERE claim_token IS NOT NULL")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        if leased == CHILD_ROWS {
+            break;
+        }
+        assert!(start.elapsed() < WAIT, "the child committed {leased} rows");
+        sleep(Duration::from_millis(20)).await;
+    }
+    // Handed over and stuck in the stalled broker.
+    sleep(Duration::from_millis(200)).await;
+    child.kill().unwrap();
+    assert!(!child.wait().unwrap().success(), "killed, not finished");
+    let (open, lease_end): (i64, chrono::DateTime<chrono::Utc>) = sqlx::query_as(
+        "SELECT count(*), min(claimed_until) FROM trellis_outbox \
+         WHERE state = 'pending' AND claimed_until > now()",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(open, CHILD_ROWS, "all still leased to the dead process");
+
+    let survivor = OutboxDispatcher::builder(
+        PgOutboxRepository::new(db.pool.clone()),
+        TablePublisher {
+            pool: db.pool.clone(),
+            pause: Duration::ZERO,
+        },
+    )
+    .idle_interval(Duration::from_millis(20))
+    .start()
+    .unwrap();
+    let start = Instant::now();
+    while undispatched(&db.pool).await > 0 {
+        assert!(start.elapsed() < WAIT, "not dispatched after {WAIT:?}");
+        sleep(Duration::from_millis(20)).await;
+    }
+    survivor.shutdown().await;
+    let (rows, distinct, first): (i64, i64, chrono::DateTime<chrono::Utc>) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT id), min(at) FROM published")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (rows, distinct),
+        (CHILD_ROWS, CHILD_ROWS),
+        "each row published once"
+    );
+    assert!(
+        first >= lease_end,
+        "published at {first}, before the lease ended at {lease_end}"
+    );
+    db.close().await;
 }
