@@ -340,6 +340,71 @@ async fn sqlite_keyed_and_existing_rows_take_the_usual_path() {
     keyed_and_existing_rows_take_the_usual_path(db.pool.clone()).await;
 }
 
+/// `enqueue_all` writes the batch and leases its unkeyed rows in one more statement: those
+/// just written and a stored row of the same id still waiting are handed over; keyed rows
+/// and a row already dispatched are not.
+async fn enqueue_all_hands_over_the_unkeyed_rows<DB: OutboxDatabase>(pool: Pool<DB>) {
+    migrate(&pool).await.unwrap();
+    let publisher = RecordingPublisher::new();
+    let dispatcher = quiet(&pool, &publisher);
+    sleep(Duration::from_millis(50)).await; // past the start-up drain
+    let handle = dispatcher.handle();
+    let done = record(100);
+    let waiting = record(101);
+    let mut tx = pool.begin().await.unwrap();
+    tx.enqueue(&done).await.unwrap();
+    tx.commit().await.unwrap();
+    handle.notify();
+    settled(&pool, &publisher, &[&done.id]).await;
+    // Committed, but nobody told the dispatcher: it waits.
+    let mut tx = pool.begin().await.unwrap();
+    tx.enqueue(&waiting).await.unwrap();
+    tx.commit().await.unwrap();
+
+    let fresh: Vec<_> = (0..5).map(record).collect();
+    let (k1, k2) = (keyed(10, "order-9"), keyed(11, "order-9"));
+    let mut batch = fresh.clone();
+    batch.extend([
+        k1.clone(),
+        k2.clone(),
+        done.clone(),
+        waiting.clone(),
+        fresh[0].clone(),
+    ]);
+    let mut tx = handle.begin(&pool).await.unwrap();
+    let stored = tx.enqueue_all(batch.clone()).await.unwrap();
+    assert_eq!(
+        stored.iter().map(|m| m.id.as_str()).collect::<Vec<_>>(),
+        batch.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+        "stored rows in input order"
+    );
+    assert_eq!(tx.handed_over(), 6, "five fresh rows and the waiting one");
+    tx.commit().await.unwrap();
+    let mut ids: Vec<&str> = fresh.iter().map(|r| r.id.as_str()).collect();
+    ids.extend([k1.id.as_str(), k2.id.as_str(), waiting.id.as_str()]);
+    settled(&pool, &publisher, &ids).await;
+    dispatcher.shutdown().await;
+    let counts = publishes(&publisher);
+    assert_eq!(counts.len(), 9, "{counts:?}");
+    assert!(counts.values().all(|&n| n == 1), "{counts:?}");
+    let order = publisher.successes();
+    let pos = |id: &str| order.iter().position(|x| x == id).unwrap();
+    assert!(pos(&k1.id) < pos(&k2.id));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_enqueue_all_hands_over_the_unkeyed_rows() {
+    let db = TestPg::new().await;
+    enqueue_all_hands_over_the_unkeyed_rows(db.pool.clone()).await;
+    db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_enqueue_all_hands_over_the_unkeyed_rows() {
+    let db = TestSqlite::new().await;
+    enqueue_all_hands_over_the_unkeyed_rows(db.pool.clone()).await;
+}
+
 /// A handed-over row whose publish fails is marked failed and retried by the drains.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_handoff_is_retried_by_the_drains() {

@@ -172,6 +172,15 @@ pub(crate) mod sealed {
             lease: Lease<'a>,
         ) -> impl Future<Output = Result<bool>> + Send + 'a;
 
+        /// Leases the rows of `ids` that are `pending`, unkeyed, not leased and due to `lease`
+        /// (from the database's clock at the update); their ids.
+        fn lease_rows<'a>(
+            conn: &'a mut Self::Connection,
+            sql: &'a SqlStatements,
+            ids: &'a [&'a str],
+            lease: Lease<'a>,
+        ) -> impl Future<Output = Result<Vec<String>>> + Send + 'a;
+
         /// Inserts `records` in as few statements as the database's limits allow; how many
         /// rows were inserted.
         fn insert_rows<'a>(

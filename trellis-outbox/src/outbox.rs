@@ -268,7 +268,7 @@ impl Outbox {
     }
 }
 
-fn prepare_all<I>(records: I) -> Result<Vec<PreparedOutboxRecord>>
+pub(crate) fn prepare_all<I>(records: I) -> Result<Vec<PreparedOutboxRecord>>
 where
     I: IntoIterator,
     I::Item: ToOutboxRecord,

@@ -128,6 +128,12 @@ texts! {
     /// token, ?12 lease modifier, ?13 the same flag. No `NOTIFY`: no other dispatcher
     /// could claim the row before its lease ends.
     enqueue_leased,
+    /// Leases rows of a list of ids to a dispatcher's handoff token (`enqueue_all` of a
+    /// [`HandoffTransaction`](crate::HandoffTransaction)): those `pending`, unkeyed, not
+    /// leased and due; returns their ids. Postgres: $1 ids, $2 token, $3 lease in seconds,
+    /// $4 whether to write upstream's lease; SQLite: ?1 JSON array of ids, ?2, ?3 the lease
+    /// modifier, ?4.
+    lease_rows,
     /// One stored row by id, [`COLUMNS`] in order.
     select_by_id,
     inbox_insert,

@@ -231,6 +231,68 @@ impl<'c, DB: OutboxDatabase> HandoffTransaction<'c, DB> {
         Ok(submission)
     }
 
+    /// Writes many records inside the transaction in as few statements as the database's
+    /// limits allow (as [`Outbox::enqueue_all`]), then leases the unkeyed ones to the
+    /// dispatcher in one more statement; returns the stored rows in input order. After
+    /// [`commit`](Self::commit) the dispatcher publishes the leased rows.
+    ///
+    /// The lease statement takes every row of the call that is `pending`, not leased and due:
+    /// the rows just written, and a row already stored with the same id and content that is
+    /// still waiting (taking it is what a claim would do). Rows it cannot take (keyed, or
+    /// stored and leased elsewhere, failed or done) take the usual path, and the commit then
+    /// notifies the dispatcher.
+    ///
+    /// # Errors
+    ///
+    /// As [`Outbox::enqueue_all`].
+    pub async fn enqueue_all<I>(&mut self, records: I) -> Result<Vec<OutboxMessage>>
+    where
+        I: IntoIterator,
+        I::Item: ToOutboxRecord,
+    {
+        let records = crate::outbox::prepare_all(records)?;
+        if records.is_empty() {
+            return Ok(Vec::new());
+        }
+        let lane = self.handle.lane::<DB>()?;
+        let sql = lane.target.outbox.sql(DB::DIALECT);
+        let span = tracing::debug_span!("outbox_enqueue", rows = records.len());
+        let stopped = self.handle.is_stopped();
+        let mut unkeyed: Vec<String> = records
+            .iter()
+            .filter(|r| r.ordering.is_none())
+            .map(|r| r.id.clone())
+            .collect();
+        unkeyed.sort_unstable();
+        unkeyed.dedup();
+        let stored = DB::insert_many(&mut self.tx, sql, records)
+            .instrument(span)
+            .await?;
+        if stopped || unkeyed.is_empty() {
+            self.notify = true;
+            return Ok(stored);
+        }
+        self.since.get_or_insert_with(Instant::now);
+        let lease = Lease {
+            token: &lane.token,
+            lease: lane.lease,
+            beside_upstream: lane.target.beside_upstream,
+        };
+        let ids: Vec<&str> = unkeyed.iter().map(String::as_str).collect();
+        let leased = DB::lease_rows(&mut self.tx, sql, &ids, lease).await?;
+        if leased.len() < stored.len() {
+            self.notify = true;
+        }
+        let leased: std::collections::HashSet<String> = leased.into_iter().collect();
+        let mut handed = std::collections::HashSet::new();
+        for message in &stored {
+            if leased.contains(&message.id) && handed.insert(message.id.as_str()) {
+                self.leased.push(message.clone());
+            }
+        }
+        Ok(stored)
+    }
+
     async fn write(&mut self, record: PreparedOutboxRecord) -> Result<OutboxMessage> {
         let lane = self.handle.lane::<DB>()?;
         let sql = lane.target.outbox.sql(DB::DIALECT);

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use sqlx::postgres::{PgQueryResult, PgRow};
 use sqlx::types::Json;
-use sqlx::{AssertSqlSafe, PgPool, Postgres, Transaction};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Transaction};
 
 use super::sql;
 use crate::driver::sealed::{Backend, Enqueue, Lease, MigrationBackend, RowsAffected};
@@ -13,7 +13,7 @@ use crate::driver::sql_seconds;
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
 use crate::row::{bind_content, bind_ordering, first_id, headers_json, read};
-use crate::sql::statement;
+use crate::sql::{SqlStatements, statement};
 use crate::tables::Dialect;
 
 /// Rows per `UNNEST` insert: bounds the size of one statement's arrays.
@@ -84,6 +84,22 @@ impl Backend for Postgres {
             .await
             .map_err(Error::enqueue(&record.id))?;
         Ok(result.rows_affected() == 1)
+    }
+
+    async fn lease_rows(
+        conn: &mut PgConnection,
+        sql: &SqlStatements,
+        ids: &[&str],
+        lease: Lease<'_>,
+    ) -> Result<Vec<String>> {
+        sqlx::query_scalar(statement(&sql.text.lease_rows))
+            .bind(ids)
+            .bind(lease.token)
+            .bind(sql_seconds(lease.lease))
+            .bind(lease.beside_upstream)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(Error::enqueue(ids.first().copied().unwrap_or_default()))
     }
 
     async fn insert_rows(

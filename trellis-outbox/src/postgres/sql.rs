@@ -43,6 +43,14 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
              ON CONFLICT (id) DO NOTHING"
         )
         .into(),
+        lease_rows: format!(
+            "UPDATE {o} SET claim_token = $2, claimed_until = clock_timestamp() + make_interval(secs => $3), \
+             next_attempt_at = CASE WHEN $4 THEN clock_timestamp() + make_interval(secs => $3) \
+             ELSE next_attempt_at END \
+             WHERE id = ANY($1) AND state = 'pending' AND ordering_key IS NULL AND claim_token IS NULL \
+             AND (next_attempt_at IS NULL OR next_attempt_at <= now()) RETURNING id"
+        )
+        .into(),
         select_by_id: format!("SELECT {COLUMNS} FROM {o} WHERE id = $1").into(),
         inbox_insert: format!(
             "INSERT INTO {i} (message_id, received_at) VALUES ($1, $2) ON CONFLICT (message_id) DO NOTHING"

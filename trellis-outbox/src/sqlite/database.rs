@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use sqlx::sqlite::{SqliteQueryResult, SqliteRow};
-use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool, Transaction};
+use sqlx::{AssertSqlSafe, Row, Sqlite, SqliteConnection, SqlitePool, Transaction};
 
 use super::sql;
 use crate::driver::sealed::{Backend, Enqueue, Lease, MigrationBackend, RowsAffected};
@@ -14,7 +14,7 @@ use crate::driver::sql_seconds;
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
 use crate::row::{RawRow, bind_content, bind_ordering, first_id, get, headers_json, read};
-use crate::sql::statement;
+use crate::sql::{SqlStatements, statement};
 use crate::tables::Dialect;
 use crate::time::format_timestamp;
 
@@ -86,6 +86,26 @@ impl Backend for Sqlite {
             .await
             .map_err(Error::enqueue(&record.id))?;
         Ok(result.rows_affected() == 1)
+    }
+
+    async fn lease_rows(
+        conn: &mut SqliteConnection,
+        sql: &SqlStatements,
+        ids: &[&str],
+        lease: Lease<'_>,
+    ) -> Result<Vec<String>> {
+        let list = serde_json::to_string(ids).map_err(|source| Error::Serialize {
+            what: "id list",
+            source,
+        })?;
+        sqlx::query_scalar(statement(&sql.text.lease_rows))
+            .bind(list)
+            .bind(lease.token)
+            .bind(format!("+{:.3} seconds", sql_seconds(lease.lease)))
+            .bind(lease.beside_upstream)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(Error::enqueue(ids.first().copied().unwrap_or_default()))
     }
 
     async fn insert_rows(

@@ -43,6 +43,15 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
              ?11, strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?12)) ON CONFLICT(id) DO NOTHING"
         )
         .into(),
+        lease_rows: format!(
+            "UPDATE {o} SET claim_token = ?2, claimed_until = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?3), \
+             next_attempt_at = CASE WHEN ?4 THEN strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?3) \
+             ELSE next_attempt_at END \
+             WHERE id IN (SELECT value FROM json_each(?1)) AND state = 'pending' \
+             AND ordering_key IS NULL AND claim_token IS NULL \
+             AND (next_attempt_at IS NULL OR next_attempt_at <= {NOW}) RETURNING id"
+        )
+        .into(),
         select_by_id: format!("SELECT {COLUMNS} FROM {o} WHERE id = ?").into(),
         inbox_insert: format!(
             "INSERT INTO {i} (message_id, received_at) VALUES (?, ?) ON CONFLICT(message_id) DO NOTHING"
