@@ -77,6 +77,40 @@ async fn settled<DB: OutboxDatabase>(
     }
 }
 
+/// A publisher whose start-up check waits until [`Gated::open`]: the dispatcher's drains
+/// (which start after it) do not run until then, while its handoff lane already does.
+#[derive(Debug, Clone)]
+struct Gated {
+    inner: RecordingPublisher,
+    open: std::sync::Arc<tokio::sync::watch::Sender<bool>>,
+}
+
+impl Gated {
+    fn new(inner: &RecordingPublisher) -> Self {
+        Self {
+            inner: inner.clone(),
+            open: std::sync::Arc::new(tokio::sync::watch::Sender::new(false)),
+        }
+    }
+
+    fn open(&self) {
+        self.open.send_replace(true);
+    }
+}
+
+impl trellis_outbox::Publisher for Gated {
+    async fn publish_batch(
+        &self,
+        messages: &[trellis_outbox::OutboxMessage],
+    ) -> Vec<Result<Option<serde_json::Value>, trellis_outbox::PublishError>> {
+        self.inner.publish_batch(messages).await
+    }
+
+    async fn on_start(&self, _: &trellis_outbox::RetryPolicy) {
+        let _ = self.open.subscribe().wait_for(|open| *open).await;
+    }
+}
+
 /// A dispatcher that neither polls nor gets notified: only handoffs reach it (leases of an
 /// hour, so no claim takes a handed-over row either).
 fn quiet<DB: OutboxDatabase>(pool: &Pool<DB>, publisher: &RecordingPublisher) -> OutboxDispatcher {
@@ -263,6 +297,12 @@ async fn a_transaction_that_outlived_its_lease_publishes_once<DB: OutboxDatabase
         // Past the lease before the commit.
         sleep(Duration::from_millis(400)).await;
         tx.commit().await.unwrap();
+        // Settled before the next round: on SQLite the next long transaction holds the only
+        // write lock for longer than a lease, so a mark waiting behind it would find the
+        // rows claimed again by then (any leased dispatcher's would: JetStream's
+        // de-duplication covers that case, this test counts publishes).
+        let ids: Vec<&str> = records.iter().map(|r| r.id.as_str()).collect();
+        settled(&pool, &publisher, &ids).await;
         all.extend(records.into_iter().map(|r| r.id));
     }
     let ids: Vec<&str> = all.iter().map(String::as_str).collect();
@@ -292,19 +332,43 @@ async fn sqlite_a_transaction_that_outlived_its_lease_publishes_once() {
     a_transaction_that_outlived_its_lease_publishes_once(db.pool.clone()).await;
 }
 
-/// Keyed records, records enqueued the usual way and ids already stored take the usual
-/// path: not handed over, published after the commit's notify, in key order.
+/// Stores `done` dispatched (by a one-shot drain) and `waiting` pending, then starts a
+/// dispatcher whose drains wait for the returned gate (so `waiting` stays unclaimed) while
+/// its handoff lane runs.
+async fn dispatched_and_waiting<DB: OutboxDatabase>(
+    pool: &Pool<DB>,
+    publisher: &RecordingPublisher,
+    done: &PreparedOutboxRecord,
+    waiting: &PreparedOutboxRecord,
+) -> (OutboxDispatcher, Gated) {
+    let mut tx = pool.begin().await.unwrap();
+    tx.enqueue(done).await.unwrap();
+    tx.commit().await.unwrap();
+    let repo = SqlOutboxRepository::new(pool.clone());
+    let report = trellis_outbox::dispatch_outbox(&repo, publisher, Default::default())
+        .await
+        .unwrap();
+    assert_eq!(report.dispatched, 1);
+    let mut tx = pool.begin().await.unwrap();
+    tx.enqueue(waiting).await.unwrap();
+    tx.commit().await.unwrap();
+    let gate = Gated::new(publisher);
+    let dispatcher = OutboxDispatcher::builder(repo, gate.clone())
+        .lease(HOUR)
+        .idle_interval(HOUR)
+        .start()
+        .unwrap();
+    (dispatcher, gate)
+}
+
+/// Keyed records and ids already dispatched take the usual path: not handed over, published
+/// after the commit's notify, in key order. An id stored and still waiting is handed over.
 async fn keyed_and_existing_rows_take_the_usual_path<DB: OutboxDatabase>(pool: Pool<DB>) {
     migrate(&pool).await.unwrap();
     let publisher = RecordingPublisher::new();
-    let dispatcher = quiet(&pool, &publisher);
+    let (existing, waiting) = (record(0), record(4));
+    let (dispatcher, gate) = dispatched_and_waiting(&pool, &publisher, &existing, &waiting).await;
     let handle = dispatcher.handle();
-    let existing = record(0);
-    let mut tx = pool.begin().await.unwrap();
-    tx.enqueue(&existing).await.unwrap();
-    tx.commit().await.unwrap();
-    handle.notify();
-    settled(&pool, &publisher, &[&existing.id]).await;
 
     let (a, b, plain) = (keyed(1, "order-1"), keyed(2, "order-1"), record(3));
     let mut tx = handle.begin(&pool).await.unwrap();
@@ -314,12 +378,15 @@ async fn keyed_and_existing_rows_take_the_usual_path<DB: OutboxDatabase>(pool: P
     assert_eq!(
         tx.handed_over(),
         0,
-        "keyed and stored rows are not handed over"
+        "keyed and dispatched rows are not handed over"
     );
+    tx.enqueue(&waiting).await.unwrap();
+    assert_eq!(tx.handed_over(), 1, "a stored row still waiting is");
     tx.enqueue(&plain).await.unwrap();
-    assert_eq!(tx.handed_over(), 1);
+    assert_eq!(tx.handed_over(), 2);
     tx.commit().await.unwrap();
-    settled(&pool, &publisher, &[&a.id, &b.id, &plain.id]).await;
+    gate.open();
+    settled(&pool, &publisher, &[&a.id, &b.id, &plain.id, &waiting.id]).await;
     dispatcher.shutdown().await;
     let order = publisher.successes();
     let pos = |id: &str| order.iter().position(|x| x == id).unwrap();
@@ -346,20 +413,9 @@ async fn sqlite_keyed_and_existing_rows_take_the_usual_path() {
 async fn enqueue_all_hands_over_the_unkeyed_rows<DB: OutboxDatabase>(pool: Pool<DB>) {
     migrate(&pool).await.unwrap();
     let publisher = RecordingPublisher::new();
-    let dispatcher = quiet(&pool, &publisher);
-    sleep(Duration::from_millis(50)).await; // past the start-up drain
+    let (done, waiting) = (record(100), record(101));
+    let (dispatcher, gate) = dispatched_and_waiting(&pool, &publisher, &done, &waiting).await;
     let handle = dispatcher.handle();
-    let done = record(100);
-    let waiting = record(101);
-    let mut tx = pool.begin().await.unwrap();
-    tx.enqueue(&done).await.unwrap();
-    tx.commit().await.unwrap();
-    handle.notify();
-    settled(&pool, &publisher, &[&done.id]).await;
-    // Committed, but nobody told the dispatcher: it waits.
-    let mut tx = pool.begin().await.unwrap();
-    tx.enqueue(&waiting).await.unwrap();
-    tx.commit().await.unwrap();
 
     let fresh: Vec<_> = (0..5).map(record).collect();
     let (k1, k2) = (keyed(10, "order-9"), keyed(11, "order-9"));
@@ -380,6 +436,7 @@ async fn enqueue_all_hands_over_the_unkeyed_rows<DB: OutboxDatabase>(pool: Pool<
     );
     assert_eq!(tx.handed_over(), 6, "five fresh rows and the waiting one");
     tx.commit().await.unwrap();
+    gate.open();
     let mut ids: Vec<&str> = fresh.iter().map(|r| r.id.as_str()).collect();
     ids.extend([k1.id.as_str(), k2.id.as_str(), waiting.id.as_str()]);
     settled(&pool, &publisher, &ids).await;

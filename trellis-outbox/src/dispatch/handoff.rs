@@ -200,8 +200,9 @@ impl<'c, DB: OutboxDatabase> HandoffTransaction<'c, DB> {
     /// returns the stored row; after [`commit`](Self::commit) the dispatcher publishes it.
     ///
     /// Idempotent on the record id like [`Outbox::enqueue`]: a row already stored with the
-    /// same content is returned as it is and not handed over (whoever wrote it dispatches
-    /// it). A record with an ordering key is written as [`Outbox::enqueue`] writes it.
+    /// same content is returned as it is, and handed over too if it is still waiting
+    /// (`pending`, not leased, due: taking it is what a claim would do). A record with an
+    /// ordering key is written as [`Outbox::enqueue`] writes it.
     ///
     /// # Errors
     ///
@@ -309,11 +310,19 @@ impl<'c, DB: OutboxDatabase> HandoffTransaction<'c, DB> {
             lease: lane.lease,
             beside_upstream: lane.target.beside_upstream,
         };
-        let (message, leased) = DB::insert_leased(&mut self.tx, sql, record, lease)
+        let (message, inserted) = DB::insert_leased(&mut self.tx, sql, record, lease)
             .instrument(span)
             .await?;
+        // A row already stored with this id and content: taken too if it is still waiting,
+        // as a claim would take it.
+        let leased = inserted
+            || !DB::lease_rows(&mut self.tx, sql, &[message.id.as_str()], lease)
+                .await?
+                .is_empty();
         if leased {
             self.leased.push(message.clone());
+        } else {
+            self.notify = true;
         }
         Ok(message)
     }
