@@ -171,7 +171,10 @@ pub fn prepared_event(message: &OutboxMessage) -> Result<PreparedTrellisEvent, P
 }
 
 /// A [`Publisher`] that publishes event rows as an authorized Trellis participant, signing
-/// each at dispatch through `trellis-rs` (see the [module](self) for what a row needs).
+/// each at dispatch through `trellis-rs`. A row needs a `Trellis-Event-Descriptor` header
+/// (`#[outbox(api = "…")]` writes it), a subject on the current wire
+/// ([`trellis_event_subject`](crate::trellis_event_subject)), a ULID id and an RFC 3339
+/// `Trellis-Event-Time`; one without them goes `dead` with the reason, and so do job rows.
 ///
 /// ```no_run
 /// # async fn run(client: trellis_rs::client::TrellisClient, pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {

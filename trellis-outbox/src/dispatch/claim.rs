@@ -24,7 +24,7 @@ pub struct PoisonRow {
 
 /// What to claim: at most [`limit`](Self::limit) due rows, each leased for
 /// [`lease`](Self::lease), due by [`cutoff`](Self::cutoff). The argument of
-/// [`OutboxRepository::claim`]; a struct so that claim options can be added without
+/// [`OutboxRepository::claim`](crate::OutboxRepository::claim); a struct so that claim options can be added without
 /// changing the trait.
 ///
 /// # Examples

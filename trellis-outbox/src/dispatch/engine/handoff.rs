@@ -24,11 +24,16 @@ use crate::dispatch::repository::{Claim, OutboxRepository};
 const MARK_WINDOW: Duration = Duration::from_millis(5);
 
 impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
-    /// Publishes handed-over rows as they arrive (those that arrived together as one batch of
-    /// at most the batch size in transactions), marking earlier batches beside the next
-    /// publish, until shutdown: then rows not yet published are released (claimable at once)
-    /// and the marks finish. `wake` (the drains' notify channel) is told when a batch left
-    /// failed rows, so the dispatcher arms its retry timer for them.
+    /// Publishes handed-over rows as they arrive (what arrived together, up to the batch
+    /// size in transactions, as one batch under the earliest of their leases), until
+    /// shutdown. Published rows are marked together once the first of them has waited
+    /// [`MARK_WINDOW`] or they fill a batch, beside the next publishes (at most
+    /// [`MARKS_IN_FLIGHT`] marks at once). On shutdown, rows not yet published are released
+    /// (claimable at once) and the marks finish. `wake` (the drains' notify channel) is told
+    /// when a batch left failed rows, so the dispatcher arms its retry timer for them.
+    ///
+    /// The channel is unbounded: while the broker is slow, rows handed over wait in memory
+    /// (and in the table, leased) for the lane, as many as producers commit meanwhile.
     pub(in crate::dispatch) async fn handoff_lane(
         &self,
         rows: &mut mpsc::UnboundedReceiver<Handoff>,
