@@ -116,6 +116,44 @@ fn a_drain_counts_rows_by_name_and_times_each_stage() {
     assert_eq!(histograms.get(m::MARK_SECONDS), Some(&1));
 }
 
+/// Rows handed over at commit are counted per batch and by name when marked.
+#[test]
+fn handed_over_rows_are_counted_per_batch() {
+    let snapshotter = recorded(async {
+        let db = trellis_outbox_tests::TestSqlite::new().await;
+        trellis_outbox::migrate(&db.pool).await.unwrap();
+        let publisher = RecordingPublisher::new();
+        let dispatcher = trellis_outbox::OutboxDispatcher::builder(
+            trellis_outbox::SqliteOutboxRepository::new(db.pool.clone()),
+            publisher.clone(),
+        )
+        .start()
+        .unwrap();
+        let mut tx = dispatcher.handle().begin(&db.pool).await.unwrap();
+        for _ in 0..3 {
+            tx.enqueue(&event("Orders.Placed")).await.unwrap();
+        }
+        tx.commit().await.unwrap();
+        for _ in 0..1_000 {
+            if publisher.successes().len() == 3 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        // Shutdown lets the gathered mark finish.
+        dispatcher.shutdown().await;
+    });
+    let (counters, histograms) = read(&snapshotter);
+    assert_eq!(histograms.get(m::HANDED_OVER_ROWS), Some(&1));
+    assert_eq!(
+        counters.get(&(
+            m::DISPATCHED.to_owned(),
+            vec![("name".to_owned(), "Orders.Placed".to_owned())]
+        )),
+        Some(&3)
+    );
+}
+
 #[test]
 fn inbox_duplicates_are_counted_by_inbox_table() {
     let snapshotter = recorded(async {

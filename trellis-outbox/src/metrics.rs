@@ -12,6 +12,7 @@
 //! | [`PUBLISH_SECONDS`] | histogram | — | publishing one claimed batch |
 //! | [`MARK_SECONDS`] | histogram | — | marking one published batch |
 //! | [`CLAIMED_ROWS`] | histogram | — | rows per claim |
+//! | [`HANDED_OVER_ROWS`] | histogram | — | rows per batch the dispatcher was handed at commit ([`HandoffTransaction`](crate::HandoffTransaction)), published without a claim |
 //! | [`UNDISPATCHED`] | gauge | — | rows waiting to be dispatched (a dispatcher reports it) |
 //! | [`LAG_SECONDS`] | gauge | — | how long the oldest of them has waited (0 when none) |
 //! | [`INBOX_DUPLICATES`] | counter | `inbox` | `record_inbox` calls that found the id already there |
@@ -36,6 +37,8 @@ pub const PUBLISH_SECONDS: &str = "trellis_outbox_publish_seconds";
 pub const MARK_SECONDS: &str = "trellis_outbox_mark_seconds";
 /// Rows per claim.
 pub const CLAIMED_ROWS: &str = "trellis_outbox_claimed_rows";
+/// Rows per batch of handed-over rows (published without a claim).
+pub const HANDED_OVER_ROWS: &str = "trellis_outbox_handed_over_rows";
 /// Rows waiting to be dispatched, as a dispatcher last saw them.
 pub const UNDISPATCHED: &str = "trellis_outbox_undispatched";
 /// Seconds the oldest undispatched row has waited since it was enqueued (0 when none).

@@ -17,6 +17,7 @@ use super::{Engine, Leased, MARKS_IN_FLIGHT, Marked, Published, batch_span, dead
 use crate::dispatch::handoff::Handoff;
 use crate::dispatch::publisher::Publisher;
 use crate::dispatch::repository::{Claim, OutboxRepository};
+use crate::metrics;
 
 /// How long published handed-over rows wait to be marked together. Transactions of one row
 /// each are handed over one by one: marking each as soon as it is published would commit
@@ -82,6 +83,7 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 }
             }
             let leased = leased(token, received.drain(..));
+            ::metrics::histogram!(metrics::HANDED_OVER_ROWS).record(leased.claim.len() as f64);
             let span = batch_span(&leased.claim);
             let mut publishing = pin!(self.publish(leased, span));
             let published = loop {
