@@ -84,6 +84,17 @@ pub(crate) struct Lane {
     pub(crate) rows: mpsc::UnboundedSender<Handoff>,
 }
 
+impl Lane {
+    /// The lease handed-over rows are written with.
+    fn lease(&self) -> Lease<'_> {
+        Lease {
+            token: &self.token,
+            lease: self.lease,
+            beside_upstream: self.target.beside_upstream,
+        }
+    }
+}
+
 /// A transaction whose events the in-process dispatcher publishes **right after its
 /// commit**, without waiting for a claim: started by [`DispatcherHandle::begin`] or
 /// [`DispatcherHandle::handoff`].
@@ -274,11 +285,7 @@ impl<'c, DB: OutboxDatabase> HandoffTransaction<'c, DB> {
             return Ok(stored);
         }
         self.since.get_or_insert_with(Instant::now);
-        let lease = Lease {
-            token: &lane.token,
-            lease: lane.lease,
-            beside_upstream: lane.target.beside_upstream,
-        };
+        let lease = lane.lease();
         let ids: Vec<&str> = unkeyed.iter().map(String::as_str).collect();
         let leased = DB::lease_rows(&mut self.tx, sql, &ids, lease).await?;
         if leased.len() < stored.len() {
@@ -305,11 +312,7 @@ impl<'c, DB: OutboxDatabase> HandoffTransaction<'c, DB> {
                 .await;
         }
         self.since.get_or_insert_with(Instant::now);
-        let lease = Lease {
-            token: &lane.token,
-            lease: lane.lease,
-            beside_upstream: lane.target.beside_upstream,
-        };
+        let lease = lane.lease();
         let (message, inserted) = DB::insert_leased(&mut self.tx, sql, record, lease)
             .instrument(span)
             .await?;

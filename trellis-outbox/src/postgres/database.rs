@@ -8,8 +8,9 @@ use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Transaction};
 
 use super::sql;
-use crate::driver::sealed::{Backend, Enqueue, Lease, MigrationBackend, RowsAffected};
-use crate::driver::sql_seconds;
+use crate::driver::sealed::{
+    Backend, Enqueue, Lease, MigrationBackend, RepositoryBackend, RowsAffected,
+};
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
 use crate::row::{bind_content, bind_ordering, first_id, headers_json, read};
@@ -21,6 +22,22 @@ const BATCH_ROWS: usize = 5_000;
 
 /// Advisory lock key serialising `migrate` calls: the ASCII bytes of "trellism".
 const MIGRATE_LOCK_KEY: i64 = 0x7472_656c_6c69_736d;
+
+/// `text` with a fresh `pending` row of `record` bound as its first ten parameters (content,
+/// headers, state, attempts, created and updated at `now`): the start of both single-row
+/// enqueues.
+fn bind_new_row<'q>(
+    text: AssertSqlSafe<std::sync::Arc<str>>,
+    record: &'q PreparedOutboxRecord,
+    now: DateTime<Utc>,
+) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+    bind_content(sqlx::query(text), record)
+        .bind(Json(&record.headers))
+        .bind("pending")
+        .bind(0_i32)
+        .bind(now)
+        .bind(now)
+}
 
 impl RowsAffected for PgQueryResult {
     fn rows_affected(&self) -> u64 {
@@ -49,12 +66,7 @@ impl Backend for Postgres {
             Some(_) => &on.sql.text.enqueue_ordered,
             None => &on.sql.text.enqueue,
         };
-        let query = bind_content(sqlx::query(statement(text)), record)
-            .bind(Json(&record.headers))
-            .bind("pending")
-            .bind(0_i32)
-            .bind(on.now)
-            .bind(on.now)
+        let query = bind_new_row(statement(text), record, on.now)
             .bind(None::<DateTime<Utc>>)
             .bind(None::<String>)
             .bind(None::<Json<serde_json::Value>>)
@@ -71,14 +83,9 @@ impl Backend for Postgres {
         record: &PreparedOutboxRecord,
         lease: Lease<'_>,
     ) -> Result<bool> {
-        let result = bind_content(sqlx::query(statement(&on.sql.text.enqueue_leased)), record)
-            .bind(Json(&record.headers))
-            .bind("pending")
-            .bind(0_i32)
-            .bind(on.now)
-            .bind(on.now)
+        let result = bind_new_row(statement(&on.sql.text.enqueue_leased), record, on.now)
             .bind(lease.token)
-            .bind(sql_seconds(lease.lease))
+            .bind(Self::interval(lease.lease))
             .bind(lease.beside_upstream)
             .execute(&mut *on.conn)
             .await
@@ -93,9 +100,9 @@ impl Backend for Postgres {
         lease: Lease<'_>,
     ) -> Result<Vec<String>> {
         sqlx::query_scalar(statement(&sql.text.lease_rows))
-            .bind(ids)
+            .bind(Self::ids(ids)?)
             .bind(lease.token)
-            .bind(sql_seconds(lease.lease))
+            .bind(Self::interval(lease.lease))
             .bind(lease.beside_upstream)
             .fetch_all(&mut *conn)
             .await

@@ -9,8 +9,9 @@ use sqlx::sqlite::{SqliteQueryResult, SqliteRow};
 use sqlx::{AssertSqlSafe, Row, Sqlite, SqliteConnection, SqlitePool, Transaction};
 
 use super::sql;
-use crate::driver::sealed::{Backend, Enqueue, Lease, MigrationBackend, RowsAffected};
-use crate::driver::sql_seconds;
+use crate::driver::sealed::{
+    Backend, Enqueue, Lease, MigrationBackend, RepositoryBackend, RowsAffected,
+};
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
 use crate::row::{RawRow, bind_content, bind_ordering, first_id, get, headers_json, read};
@@ -23,6 +24,22 @@ const PARAMS_PER_ROW: usize = 8;
 /// Rows per multi-row insert: 8 × 1,000 parameters stays far below SQLite's default limit
 /// of 32,766 (and the 999 of SQLite builds before 3.32 would need 124; we require 3.35).
 pub(crate) const BATCH_ROWS: usize = 1_000;
+
+/// `text` with a fresh `pending` row of `record` bound as its first ten parameters (content,
+/// headers, state, attempts, created and updated at `stamp`): the start of both single-row
+/// enqueues.
+fn bind_new_row<'q>(
+    text: AssertSqlSafe<std::sync::Arc<str>>,
+    record: &'q PreparedOutboxRecord,
+    stamp: &'q str,
+) -> Result<sqlx::query::Query<'q, Sqlite, sqlx::sqlite::SqliteArguments>> {
+    Ok(bind_content(sqlx::query(text), record)
+        .bind(headers_json(record)?)
+        .bind("pending")
+        .bind(0_i32)
+        .bind(stamp)
+        .bind(stamp))
+}
 
 impl RowsAffected for SqliteQueryResult {
     fn rows_affected(&self) -> u64 {
@@ -51,12 +68,7 @@ impl Backend for Sqlite {
             Some(_) => &on.sql.text.enqueue_ordered,
             None => &on.sql.text.enqueue,
         };
-        let query = bind_content(sqlx::query(statement(text)), record)
-            .bind(headers_json(record)?)
-            .bind("pending")
-            .bind(0_i32)
-            .bind(&stamp)
-            .bind(&stamp)
+        let query = bind_new_row(statement(text), record, &stamp)?
             .bind(None::<String>)
             .bind(None::<String>)
             .bind(None::<String>);
@@ -73,14 +85,9 @@ impl Backend for Sqlite {
         lease: Lease<'_>,
     ) -> Result<bool> {
         let stamp = format_timestamp(on.now);
-        let result = bind_content(sqlx::query(statement(&on.sql.text.enqueue_leased)), record)
-            .bind(headers_json(record)?)
-            .bind("pending")
-            .bind(0_i32)
-            .bind(&stamp)
-            .bind(&stamp)
+        let result = bind_new_row(statement(&on.sql.text.enqueue_leased), record, &stamp)?
             .bind(lease.token)
-            .bind(format!("+{:.3} seconds", sql_seconds(lease.lease)))
+            .bind(Self::interval(lease.lease))
             .bind(lease.beside_upstream)
             .execute(&mut *on.conn)
             .await
@@ -94,14 +101,10 @@ impl Backend for Sqlite {
         ids: &[&str],
         lease: Lease<'_>,
     ) -> Result<Vec<String>> {
-        let list = serde_json::to_string(ids).map_err(|source| Error::Serialize {
-            what: "id list",
-            source,
-        })?;
         sqlx::query_scalar(statement(&sql.text.lease_rows))
-            .bind(list)
+            .bind(Self::ids(ids)?)
             .bind(lease.token)
-            .bind(format!("+{:.3} seconds", sql_seconds(lease.lease)))
+            .bind(Self::interval(lease.lease))
             .bind(lease.beside_upstream)
             .fetch_all(&mut *conn)
             .await
