@@ -44,8 +44,8 @@ pub struct SqlOutboxRepository<DB: OutboxDatabase> {
     sql: Arc<SqlStatements>,
     only: Arc<DB::Only>,
     beside_upstream: bool,
-    /// The outbox on this repository's tables, for handoffs.
-    outbox: Outbox,
+    /// This repository's tables, for the outbox of its handoffs.
+    tables: OutboxTables,
 }
 
 impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
@@ -61,7 +61,7 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
             sql: Arc::new(SqlStatements::new(DB::DIALECT, tables, false)),
             only: Arc::new(DB::only(tables)),
             beside_upstream: false,
-            outbox: Outbox::new(tables.clone()),
+            tables: tables.clone(),
         }
     }
 
@@ -190,7 +190,7 @@ impl<DB: OutboxDatabase> Clone for SqlOutboxRepository<DB> {
             sql: Arc::clone(&self.sql),
             only: Arc::clone(&self.only),
             beside_upstream: self.beside_upstream,
-            outbox: self.outbox.clone(),
+            tables: self.tables.clone(),
         }
     }
 }
@@ -299,7 +299,7 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
 
     fn handoff_target(&self) -> Option<HandoffTarget> {
         Some(HandoffTarget::new(
-            self.outbox.clone(),
+            Outbox::new(self.tables.clone()),
             DB::DIALECT,
             self.beside_upstream,
         ))
