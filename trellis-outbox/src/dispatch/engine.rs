@@ -11,6 +11,7 @@ mod mark;
 mod publish;
 
 use std::collections::HashSet;
+use std::future::Future;
 use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -254,14 +255,8 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 if !notified {
                     continue;
                 }
-                let mut claiming = pin!(self.claim(wave.cutoff, wave.published()));
-                let next = loop {
-                    tokio::select! {
-                        biased;
-                        out = &mut claiming => break out,
-                        Some(marked) = marks.next() => wave.absorb(marked),
-                    }
-                };
+                let claiming = self.claim(wave.cutoff, wave.published());
+                let next = beside_marks(claiming, &mut marks, |m| wave.absorb(m)).await;
                 match next {
                     Ok(next) => current = Some(next).filter(|l| !l.claim.is_empty()),
                     Err(error) => break Err(error),
@@ -282,19 +277,9 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                     Some(self.claim(cutoff, settled).await)
                 }
             };
-            let mut stages = pin!(async { tokio::join!(self.publish(leased, span), claim_next) });
-            let (published, next) = loop {
-                tokio::select! {
-                    biased;
-                    out = &mut stages => break out,
-                    Some(marked) = marks.next() => wave.absorb(marked),
-                }
-            };
-            while marks.len() >= MARKS_IN_FLIGHT {
-                if let Some(marked) = marks.next().await {
-                    wave.absorb(marked);
-                }
-            }
+            let stages = async { tokio::join!(self.publish(leased, span), claim_next) };
+            let (published, next) = beside_marks(stages, &mut marks, |m| wave.absorb(m)).await;
+            finish_marks(&mut marks, MARKS_IN_FLIGHT - 1, |m| wave.absorb(m)).await;
             let settled = wave.settling(&published);
             marks.push(async { (self.mark(published).await, settled) });
             match next {
@@ -304,9 +289,7 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 None => {}
             }
         };
-        while let Some(marked) = marks.next().await {
-            wave.absorb(marked);
-        }
+        finish_marks(&mut marks, 0, |m| wave.absorb(m)).await;
         outcome
     }
 
@@ -367,6 +350,38 @@ fn batch_span(claim: &Claim) -> tracing::Span {
 pub(super) fn deadline(from: Instant, duration: Duration) -> Instant {
     from.checked_add(duration)
         .unwrap_or_else(|| from + Duration::from_secs(86_400 * 365 * 30))
+}
+
+/// Runs `work` to its end while the marks in flight go on beside it, handing each one that
+/// finishes meanwhile to `absorb`.
+async fn beside_marks<T, M: Future>(
+    work: impl Future<Output = T>,
+    marks: &mut FuturesUnordered<M>,
+    mut absorb: impl FnMut(M::Output),
+) -> T {
+    let mut work = pin!(work);
+    loop {
+        tokio::select! {
+            biased;
+            out = &mut work => return out,
+            Some(marked) = marks.next() => absorb(marked),
+        }
+    }
+}
+
+/// Waits until at most `keep` marks are in flight, handing each one that finishes to
+/// `absorb` (`MARKS_IN_FLIGHT - 1` makes room for one more; 0 waits for all).
+async fn finish_marks<M: Future>(
+    marks: &mut FuturesUnordered<M>,
+    keep: usize,
+    mut absorb: impl FnMut(M::Output),
+) {
+    while marks.len() > keep {
+        match marks.next().await {
+            Some(marked) => absorb(marked),
+            None => break,
+        }
+    }
 }
 
 /// Keeps in `slot` the earlier of its instant and `at`.

@@ -13,7 +13,10 @@ use futures_util::stream::FuturesUnordered;
 use tokio::sync::mpsc;
 use tokio::time::{Instant, sleep_until};
 
-use super::{Engine, Leased, MARKS_IN_FLIGHT, Marked, Published, batch_span, deadline};
+use super::{
+    Engine, Leased, MARKS_IN_FLIGHT, Marked, Published, batch_span, beside_marks, deadline,
+    finish_marks,
+};
 use crate::dispatch::handoff::Handoff;
 use crate::dispatch::publisher::Publisher;
 use crate::dispatch::repository::{Claim, OutboxRepository};
@@ -85,14 +88,7 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             let leased = leased(token, received.drain(..));
             ::metrics::histogram!(metrics::HANDED_OVER_ROWS).record(leased.claim.len() as f64);
             let span = batch_span(&leased.claim);
-            let mut publishing = pin!(self.publish(leased, span));
-            let published = loop {
-                tokio::select! {
-                    biased;
-                    out = &mut publishing => break out,
-                    Some(marked) = marks.next() => settle(marked),
-                }
-            };
+            let published = beside_marks(self.publish(leased, span), &mut marks, settle).await;
             // Not published (the lease could not be kept): released, nothing to mark.
             if published.results.is_none() {
                 continue;
@@ -109,11 +105,7 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 }
             };
             if rows_unmarked >= self.options.batch_size {
-                while marks.len() >= MARKS_IN_FLIGHT {
-                    if let Some(marked) = marks.next().await {
-                        settle(marked);
-                    }
-                }
+                finish_marks(&mut marks, MARKS_IN_FLIGHT - 1, settle).await;
                 if let Some((published, _)) = unmarked.take() {
                     marks.push(self.mark(published));
                 }
@@ -130,9 +122,7 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
         if !received.is_empty() {
             self.release(&leased(token, received.drain(..)).claim).await;
         }
-        while let Some(marked) = marks.next().await {
-            settle(marked);
-        }
+        finish_marks(&mut marks, 0, settle).await;
     }
 }
 
