@@ -511,10 +511,36 @@ fn now_ns() -> u64 {
         .unwrap_or_default()
 }
 
-/// Commits the events `seqs`, one per transaction, starting one every `interval` (open
-/// loop: each transaction runs in its own task, as concurrent request handlers would, so a
-/// slow commit does not lower the offered rate); returns `(seq, wall-clock ns just before
-/// commit, wall-clock ns just after)`. Calls `after_commit` after each commit.
+/// Starts the task `start(seq)` makes for each of `seqs`, one every `interval` (open loop:
+/// each transaction runs in its own task, as concurrent request handlers would, so a slow
+/// commit does not lower the offered rate), and returns what the tasks committed, by
+/// sequence number.
+async fn open_loop<T>(
+    seqs: Range<u64>,
+    interval: Duration,
+    mut start: impl FnMut(u64) -> Result<T, BoxError>,
+) -> Result<Vec<Sent>, BoxError>
+where
+    T: std::future::Future<Output = Result<Sent, BoxError>> + Send + 'static,
+{
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut tasks = tokio::task::JoinSet::new();
+    for seq in seqs {
+        ticker.tick().await;
+        tasks.spawn(start(seq)?);
+    }
+    let mut out = Vec::with_capacity(tasks.len());
+    while let Some(result) = tasks.join_next().await {
+        out.push(result??);
+    }
+    out.sort_unstable();
+    Ok(out)
+}
+
+/// Commits the events `seqs`, one per transaction, in an [`open_loop`]; returns `(seq,
+/// wall-clock ns just before commit, wall-clock ns just after)`. Calls `after_commit` after
+/// each commit.
 async fn produce<F>(
     pool: &PgPool,
     outbox: &Outbox,
@@ -526,15 +552,11 @@ async fn produce<F>(
 where
     F: std::future::Future<Output = Result<(), BoxError>> + Send,
 {
-    let mut ticker = tokio::time::interval(interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-    let mut tasks = tokio::task::JoinSet::new();
-    for seq in seqs {
-        ticker.tick().await;
+    open_loop(seqs, interval, |seq| {
         let record =
             PreparedOutboxRecord::event(NAME, subject, &serde_json::json!({ "seq": seq }))?;
         let (pool, outbox, after_commit) = (pool.clone(), outbox.clone(), after_commit.clone());
-        tasks.spawn(async move {
+        Ok(async move {
             let mut tx = pool.begin().await?;
             outbox.enqueue(&mut tx, &record).await?;
             let before = now_ns();
@@ -542,9 +564,9 @@ where
             let after = now_ns();
             after_commit().await?;
             Ok::<_, BoxError>((seq, before, after))
-        });
-    }
-    joined(tasks).await
+        })
+    })
+    .await
 }
 
 /// [`produce`] through a `HandoffTransaction` of `handle`'s dispatcher: each row is
@@ -556,36 +578,20 @@ async fn produce_handoff(
     seqs: Range<u64>,
     interval: Duration,
 ) -> Result<Vec<Sent>, BoxError> {
-    let mut ticker = tokio::time::interval(interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-    let mut tasks = tokio::task::JoinSet::new();
-    for seq in seqs {
-        ticker.tick().await;
+    open_loop(seqs, interval, |seq| {
         let record =
             PreparedOutboxRecord::event(NAME, subject, &serde_json::json!({ "seq": seq }))?;
         let (pool, handle) = (pool.clone(), handle.clone());
-        tasks.spawn(async move {
+        Ok(async move {
             let mut tx = handle.begin(&pool).await?;
             tx.enqueue(&record).await?;
             let before = now_ns();
             tx.commit().await?;
             let after = now_ns();
             Ok::<_, BoxError>((seq, before, after))
-        });
-    }
-    joined(tasks).await
-}
-
-/// The results of a producer's tasks, by sequence number.
-async fn joined(
-    mut tasks: tokio::task::JoinSet<Result<Sent, BoxError>>,
-) -> Result<Vec<Sent>, BoxError> {
-    let mut out = Vec::with_capacity(tasks.len());
-    while let Some(result) = tasks.join_next().await {
-        out.push(result??);
-    }
-    out.sort_unstable();
-    Ok(out)
+        })
+    })
+    .await
 }
 
 /// One committed event: `(seq, ns just before commit, ns just after commit)`.
@@ -607,14 +613,10 @@ async fn produce_dual_write(
     )
     .execute(pool)
     .await?;
-    let mut ticker = tokio::time::interval(interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-    let mut tasks = tokio::task::JoinSet::new();
-    for seq in seqs {
-        ticker.tick().await;
+    open_loop(seqs, interval, |seq| {
         let body = serde_json::json!({ "seq": seq });
         let (pool, js, subject) = (pool.clone(), js.clone(), subject.to_owned());
-        tasks.spawn(async move {
+        Ok(async move {
             let mut tx = pool.begin().await?;
             sqlx::query("INSERT INTO bench_business (seq, body) VALUES ($1, $2)")
                 .bind(i64::try_from(seq)?)
@@ -626,9 +628,9 @@ async fn produce_dual_write(
             let after = now_ns();
             js.publish(subject, body.to_string().into()).await?.await?;
             Ok::<_, BoxError>((seq, before, after))
-        });
-    }
-    joined(tasks).await
+        })
+    })
+    .await
 }
 
 /// The dispatcher's own small pool, as the README recommends: on the producers' pool its
