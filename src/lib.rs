@@ -29,6 +29,21 @@ pub fn nats_url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
 }
 
+/// An `Orders.Placed` event (subject `events.v1.Orders.Placed`) with payload `{"n": n}`: a
+/// fresh row for tests that need many.
+///
+/// # Panics
+///
+/// Never for these inputs: the payload always serializes.
+pub fn order_placed(n: usize) -> trellis_outbox::PreparedOutboxRecord {
+    trellis_outbox::PreparedOutboxRecord::event(
+        "Orders.Placed",
+        "events.v1.Orders.Placed",
+        &serde_json::json!({ "n": n }),
+    )
+    .expect("a JSON object serializes")
+}
+
 const PG_HINT: &str = "start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` \
      or point DATABASE_URL at a server you can create databases on";
 

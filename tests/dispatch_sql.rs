@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use trellis_outbox::{
-    DispatchOptions, OutboxDispatcher, OutboxTransactionExt, PgOutboxRepository,
-    PreparedOutboxRecord, RetryPolicy, SqliteOutboxRepository, dispatch_outbox, migrate,
+    DispatchOptions, OutboxDispatcher, OutboxTransactionExt, PgOutboxRepository, RetryPolicy,
+    SqliteOutboxRepository, dispatch_outbox, migrate,
 };
 use trellis_outbox_tests::crash::{TablePublisher, run_child_dispatcher, spawn_child};
 use trellis_outbox_tests::publisher::RecordingPublisher;
@@ -25,14 +25,7 @@ fn attempt_counts(publisher: &RecordingPublisher) -> HashMap<String, u32> {
     counts
 }
 
-fn record(n: usize) -> PreparedOutboxRecord {
-    PreparedOutboxRecord::event(
-        "Orders.Placed",
-        "events.v1.Orders.Placed",
-        &json!({ "n": n }),
-    )
-    .unwrap()
-}
+use trellis_outbox_tests::order_placed as record;
 
 async fn load<DB: trellis_outbox::OutboxDatabase>(
     pool: &sqlx::Pool<DB>,

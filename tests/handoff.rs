@@ -9,7 +9,6 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use serde_json::json;
 use sqlx::Pool;
 use tokio::time::{Instant, sleep};
 use trellis_outbox::{
@@ -25,14 +24,7 @@ use trellis_outbox_tests::{TestPg, TestSqlite};
 const HOUR: Duration = Duration::from_secs(3600);
 const WAIT: Duration = Duration::from_secs(30);
 
-fn record(n: usize) -> PreparedOutboxRecord {
-    PreparedOutboxRecord::event(
-        "Orders.Placed",
-        "events.v1.Orders.Placed",
-        &json!({ "n": n }),
-    )
-    .unwrap()
-}
+use trellis_outbox_tests::order_placed as record;
 
 fn keyed(n: usize, key: &str) -> PreparedOutboxRecord {
     record(n).ordered_by(key)
