@@ -17,6 +17,18 @@ use crate::tables::{Dialect, OutboxTables};
 
 /// See and repair a trellis-outbox outbox: migrate, status, relay, list, inspect, retry,
 /// purge; or print the migrations as SQL.
+///
+/// Parsed by clap; [`run`] parses and runs it. A program that embeds the tool can parse the
+/// arguments first, to reject bad ones before it opens anything:
+///
+/// ```
+/// use clap::Parser;
+/// use trellis_outbox::cli::Cli;
+///
+/// assert!(Cli::try_parse_from(["trellis-outbox", "sql", "--dialect", "postgres"]).is_ok());
+/// let error = Cli::try_parse_from(["trellis-outbox", "sql", "--dialect", "mysql"]).unwrap_err();
+/// assert_eq!(error.kind(), clap::error::ErrorKind::InvalidValue);
+/// ```
 #[derive(Debug, Parser)]
 #[command(name = "trellis-outbox", version, about)]
 pub struct Cli {
@@ -214,6 +226,15 @@ where
 
 /// The tool's `main`: runs it with the process's arguments and exits with 0, 1 after an
 /// error (one line on stderr), or clap's code for bad arguments (2) and `--help` (0).
+///
+/// The `trellis-outbox` binary is this function; a service can ship the tool inside its own
+/// binary the same way:
+///
+/// ```no_run
+/// fn main() {
+///     trellis_outbox::cli::main();
+/// }
+/// ```
 pub fn main() {
     let stdout = std::io::stdout();
     if let Err(error) = run(std::env::args_os(), &mut stdout.lock()) {
