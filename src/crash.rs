@@ -74,20 +74,72 @@ pub async fn run_child_dispatcher(env: &str, batch_size: usize, pause: Duration)
     dispatcher.shutdown().await;
 }
 
+/// A child process that is killed (SIGKILL, by its pid) and reaped if it still runs when
+/// the guard is dropped: a test that fails while its child runs does not leave it behind.
+/// `std::process::Child` itself neither kills nor waits on drop.
+#[derive(Debug)]
+pub struct ChildGuard(Option<Child>);
+
+impl ChildGuard {
+    /// Guards `child`.
+    pub fn new(child: Child) -> Self {
+        Self(Some(child))
+    }
+
+    /// The child, no longer guarded (for `Child::wait_with_output`, which takes it).
+    pub fn into_inner(mut self) -> Child {
+        self.0
+            .take()
+            .expect("a guard holds its child until dropped")
+    }
+}
+
+impl std::ops::Deref for ChildGuard {
+    type Target = Child;
+
+    fn deref(&self) -> &Child {
+        self.0
+            .as_ref()
+            .expect("a guard holds its child until dropped")
+    }
+}
+
+impl std::ops::DerefMut for ChildGuard {
+    fn deref_mut(&mut self) -> &mut Child {
+        self.0
+            .as_mut()
+            .expect("a guard holds its child until dropped")
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Some(child) = self.0.as_mut()
+            && matches!(child.try_wait(), Ok(None))
+        {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// Starts this test binary again, running only the ignored test `child_test` with `env`
-/// naming `db_name`. The caller kills it by its pid (`Child::kill`) and waits for it.
-pub fn spawn_child(child_test: &str, env: &str, db_name: &str) -> Child {
+/// naming `db_name`. The caller kills it by its pid (`Child::kill`) and waits for it; if the
+/// test fails first, the guard kills it.
+pub fn spawn_child(child_test: &str, env: &str, db_name: &str) -> ChildGuard {
     let exe = std::env::current_exe().expect("the test binary's path");
-    Command::new(exe)
-        .args([
-            "--exact",
-            child_test,
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(env, db_name)
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("the test binary starts again as the child")
+    ChildGuard::new(
+        Command::new(exe)
+            .args([
+                "--exact",
+                child_test,
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(env, db_name)
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("the test binary starts again as the child"),
+    )
 }

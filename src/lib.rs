@@ -45,6 +45,7 @@ pub fn order_placed(n: usize) -> trellis_outbox::PreparedOutboxRecord {
 }
 
 const PG_HINT: &str = "start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` \
+     (if it runs but the URL's database is missing: `createdb -h 127.0.0.1 -U postgres test`), \
      or point DATABASE_URL at a server you can create databases on";
 
 /// Test databases are named `trellis_t_<ulid>`; ones older than this are swept.

@@ -37,8 +37,10 @@
 //!   hostile row the schema refused at insert is counted as refused), and none is leased;
 //! * "never published twice by us": per id, the inner publisher succeeded at most once, plus
 //!   once per injected lost ack, plus once if the aborted dispatcher published it in its last
-//!   batches without marking it (re-publishes that JetStream de-duplicates by `Nats-Msg-Id`);
-//! * the run finished within its time budget (default 90 s per 20,000 rows).
+//!   batches without marking it (re-publishes that JetStream de-duplicates by `Nats-Msg-Id`).
+//!
+//! The run's time is printed, not asserted: speed is the benchmark program's business, and a
+//! slow machine must not fail a correct run. A run that hangs fails on the overall deadline.
 //!
 //! All violations are listed together (first few offending ids each), with the seed.
 //!
@@ -56,7 +58,7 @@
 //! CHAOS_ROWS=200000 CHAOS_SEED=… cargo test --release --test chaos -- --nocapture
 //! ```
 //!
-//! `CHAOS_BUDGET_SECS` overrides the time budget. `CHAOS_SKIP` (a comma-separated list of
+//! `CHAOS_SKIP` (a comma-separated list of
 //! `hostile`, `long-delays`, `restarts`, `abort`) leaves faults out to narrow a failure down;
 //! a run with it is not the full suite. A seed fixes every random choice (faults,
 //! transaction sizes, hostile rows and when they are written, restart and abort times); the
@@ -237,7 +239,6 @@ mod api {
 struct Settings {
     seed: u64,
     rows: usize,
-    budget: Duration,
     /// Faults left out (`CHAOS_SKIP`), to narrow a failure down.
     skip: Vec<String>,
 }
@@ -266,13 +267,6 @@ impl Settings {
             Err(_) => DEFAULT_ROWS,
         };
         assert!(rows >= WRITERS, "CHAOS_ROWS must be at least {WRITERS}");
-        let budget = match std::env::var("CHAOS_BUDGET_SECS") {
-            Ok(s) => Duration::from_secs(
-                s.parse()
-                    .unwrap_or_else(|e| panic!("CHAOS_BUDGET_SECS={s:?}: {e}")),
-            ),
-            Err(_) => Duration::from_secs_f64(90.0 * (rows as f64 / 20_000.0).max(1.0)),
-        };
         let skip: Vec<String> = std::env::var("CHAOS_SKIP")
             .unwrap_or_default()
             .split(',')
@@ -285,12 +279,7 @@ impl Settings {
                 "CHAOS_SKIP: unknown fault {s:?}; known: {SKIPPABLE:?}"
             );
         }
-        Self {
-            seed,
-            rows,
-            budget,
-            skip,
-        }
+        Self { seed, rows, skip }
     }
 
     fn skips(&self, fault: &str) -> bool {
@@ -747,12 +736,6 @@ async fn run(
             restarts.len()
         ));
     }
-    if elapsed > settings.budget {
-        violations.push(format!(
-            "the run took {elapsed:.1?}, over its budget of {:?} (CHAOS_BUDGET_SECS)",
-            settings.budget
-        ));
-    }
 
     // ---- report ----
     let injections = ledger.injections();
@@ -765,7 +748,7 @@ async fn run(
     println!(
         "chaos summary: seed={} rows={} rolled_back={} hostile={} dispatched={} dead={} \
          other={} restarts={} aborted=#{} (caught with {} rows, {} casualties) injections={} \
-         lost_acks={} elapsed={elapsed:.1?} (target < 90 s per 20,000 rows) violations={}",
+         lost_acks={} elapsed={elapsed:.1?} violations={}",
         settings.seed,
         committed.len(),
         rolled_back.len(),

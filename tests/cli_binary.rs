@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use trellis_outbox::{OutboxTransactionExt, PreparedOutboxRecord, migrate};
+use trellis_outbox_tests::crash::ChildGuard;
 use trellis_outbox_tests::nats::{TestStream, jetstream};
 use trellis_outbox_tests::{TestPg, TestSqlite, database_url, nats_url};
 
@@ -268,14 +269,17 @@ async fn postgres_relay_runs_until_sigterm_and_leaves_nothing_claimed() {
         serde_json::from_str(&ok(&tool(&url, &nats_url(), &["status", "--json"]))).unwrap();
     assert_eq!(busy["counts"], json!({"pending": 50}));
 
-    let relay = Command::new(BIN)
-        .args(["relay", "--progress-every", "200ms"])
-        .env("DATABASE_URL", &url)
-        .env("NATS_URL", nats_url())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    // Killed by the guard if an assertion fails before the SIGTERM below.
+    let relay = ChildGuard::new(
+        Command::new(BIN)
+            .args(["relay", "--progress-every", "200ms"])
+            .env("DATABASE_URL", &url)
+            .env("NATS_URL", nats_url())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     let started = Instant::now();
     loop {
         let dispatched: i64 =
@@ -304,7 +308,7 @@ async fn postgres_relay_runs_until_sigterm_and_leaves_nothing_claimed() {
         .status()
         .unwrap();
     assert!(status.success());
-    let output = tokio::task::spawn_blocking(move || relay.wait_with_output())
+    let output = tokio::task::spawn_blocking(move || relay.into_inner().wait_with_output())
         .await
         .unwrap()
         .unwrap();

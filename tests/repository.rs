@@ -212,7 +212,9 @@ async fn failed_rows_wait_for_their_retry_time(db: &impl Db) {
             Failure::retry(
                 id,
                 "nats: timed out: no ack within 5s",
-                Duration::from_millis(500)
+                // Long enough that a stalled machine does not make the row due before the
+                // checks below (they allow a second and a half of delay).
+                Duration::from_secs(2)
             )
         )
         .await
@@ -227,12 +229,12 @@ async fn failed_rows_wait_for_their_retry_time(db: &impl Db) {
 
     let due_in = repo.next_due_in().await.unwrap().unwrap();
     assert!(
-        due_in > Duration::from_millis(200) && due_in <= Duration::from_millis(500),
+        due_in > Duration::from_millis(500) && due_in <= Duration::from_secs(2),
         "{due_in:?}"
     );
     assert!(repo.claim_due(10, LEASE, None).await.unwrap().is_empty());
 
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    tokio::time::sleep(Duration::from_millis(2_100)).await;
     let again = repo.claim_due(10, LEASE, None).await.unwrap();
     assert_eq!(again.messages.len(), 1);
     assert_eq!(again.messages[0].attempts, 1);

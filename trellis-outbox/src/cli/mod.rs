@@ -231,9 +231,8 @@ where
 /// binary the same way:
 ///
 /// ```no_run
-/// fn main() {
-///     trellis_outbox::cli::main();
-/// }
+/// // The body of `fn main` in, say, the service's `src/bin/outbox.rs`:
+/// trellis_outbox::cli::main();
 /// ```
 pub fn main() {
     let stdout = std::io::stdout();
