@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use trellis_outbox::{
-    DispatchOptions, OutboxDispatcher, OutboxTransactionExt, PgOutboxRepository, RetryPolicy,
-    SqliteOutboxRepository, dispatch_outbox, migrate,
+    DispatchOptions, OutboxDispatcher, OutboxRepository, OutboxTransactionExt, PgOutboxRepository,
+    RetryPolicy, SqliteOutboxRepository, dispatch_outbox, migrate,
 };
 use trellis_outbox_tests::crash::{TablePublisher, run_child_dispatcher, spawn_child};
 use trellis_outbox_tests::publisher::RecordingPublisher;
@@ -221,6 +221,123 @@ async fn postgres_retries_end_in_dead_and_poison_does_not_block() {
             .unwrap();
     assert_eq!(poison.0, "dead");
     assert!(poison.1.contains("event.bogus"), "{}", poison.1);
+    db.close().await;
+}
+
+/// `timestamptz` values sqlx's own decoder panics on (`infinity`, `-infinity`, a year past
+/// chrono's range), written by another writer: each row goes dead with a reason naming the
+/// column and value, the rows beside it are dispatched, and an operator's retry of a row
+/// leased until `infinity` is an error naming the column, not a panic.
+#[tokio::test]
+async fn postgres_rows_with_infinite_times_are_poison_not_a_panic() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let insert = |id: &str, created: &str, updated: &str, next: &str| {
+        format!(
+            "INSERT INTO trellis_outbox (id, kind, name, subject, payload, headers, state, attempts, created_at, updated_at, next_attempt_at) \
+             VALUES ('{id}', 'event.publish', 'A.B', 'events.v1.A.B', '{{}}', '{{}}', 'pending', 0, {created}, {updated}, {next})"
+        )
+    };
+    for sql in [
+        // Sorts first in the claim's `ORDER BY created_at`.
+        insert("minus-infinity", "'-infinity'", "now()", "NULL"),
+        insert(
+            "infinity",
+            "now() - interval '1 hour'",
+            "'infinity'",
+            "NULL",
+        ),
+        // Due (before now).
+        insert(
+            "due-minus-infinity",
+            "now() - interval '1 hour'",
+            "now()",
+            "'-infinity'",
+        ),
+        insert(
+            "far-future",
+            "now() - interval '1 hour'",
+            "'294000-01-01'",
+            "NULL",
+        ),
+    ] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    let ids = load(&db.pool, 20).await;
+    let repo = PgOutboxRepository::new(db.pool.clone());
+    // The status and the backlog gauge leave the infinite `created_at` out of the age
+    // (Postgres refuses to subtract it) instead of failing.
+    let status = repo.status().await.unwrap();
+    assert_eq!(status.count("pending"), 24);
+    let age = status.oldest_undispatched.unwrap();
+    assert!(age >= Duration::from_secs(3_000), "{age:?}");
+    let backlog = repo.backlog().await.unwrap().unwrap();
+    assert_eq!(backlog.undispatched, 24, "{backlog:?}");
+    assert!(
+        backlog.oldest.unwrap() >= Duration::from_secs(3_000),
+        "{backlog:?}"
+    );
+    let publisher = RecordingPublisher::new();
+    let options = DispatchOptions::new().batch_size(10);
+    let report = dispatch_outbox(&repo, &publisher, options).await.unwrap();
+    let states: Vec<(String, String, Option<String>)> = sqlx::query_as(
+        "SELECT id, state, last_error FROM trellis_outbox \
+         WHERE id IN ('minus-infinity', 'infinity', 'due-minus-infinity', 'far-future')",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (report.dispatched, report.dead),
+        (20, 4),
+        "{report:?} {states:?}"
+    );
+    let counts = attempt_counts(&publisher);
+    assert!(
+        ids.iter().all(|id| counts.get(id) == Some(&1)),
+        "{counts:?}"
+    );
+    let dead: Vec<(String, String)> = sqlx::query_as(
+        "SELECT id, last_error FROM trellis_outbox WHERE state = 'dead' ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let reasons: HashMap<String, String> = dead.into_iter().collect();
+    let expect = [
+        ("far-future", "updated_at"),
+        ("due-minus-infinity", "next_attempt_at"),
+        ("infinity", "updated_at"),
+        ("minus-infinity", "created_at"),
+    ];
+    assert_eq!(reasons.len(), expect.len(), "{reasons:?}");
+    for (id, column) in expect {
+        let reason = &reasons[id];
+        assert!(reason.contains(column), "{id}: {reason}");
+    }
+    assert!(reasons["infinity"].contains("'infinity'"), "{reasons:?}");
+    assert!(
+        reasons["minus-infinity"].contains("'-infinity'"),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons["far-future"].contains("out of range"),
+        "{reasons:?}"
+    );
+
+    // An operator's retry of a failed row leased until 'infinity'.
+    sqlx::raw_sql(
+        "UPDATE trellis_outbox SET state = 'failed', claim_token = 'someone', \
+         claimed_until = 'infinity' WHERE id = 'infinity'",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let error = repo.retry("infinity").await.unwrap_err();
+    assert!(error.to_string().contains("claimed_until"), "{error}");
     db.close().await;
 }
 

@@ -8,6 +8,7 @@ use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Transaction};
 
 use super::sql;
+use super::time::PgTime;
 use crate::driver::sealed::{
     Backend, Enqueue, Lease, MigrationBackend, RepositoryBackend, RowsAffected,
 };
@@ -55,7 +56,7 @@ impl Backend for Postgres {
     }
 
     fn decode(row: &PgRow) -> Result<OutboxMessage> {
-        read::<_, DateTime<Utc>, Json<BTreeMap<String, String>>, Json<serde_json::Value>, i32>(row)?
+        read::<_, PgTime, Json<BTreeMap<String, String>>, Json<serde_json::Value>, i32>(row)?
             .into_message()
     }
 

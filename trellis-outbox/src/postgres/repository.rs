@@ -9,6 +9,7 @@ use chrono::{DateTime, Utc};
 use sqlx::{Postgres, Row};
 
 use super::sql::PgOnly;
+use super::time::PgTime;
 use crate::dispatch::{Claim, Dispatched, Failure, FailureOutcome, RetryOutcome};
 use crate::driver::sealed::{Backend, ClaimDue, Fenced, On, RepositoryBackend};
 use crate::driver::sql_seconds;
@@ -159,11 +160,11 @@ impl RepositoryBackend for Postgres {
         if !matches!(state.as_str(), "failed" | "dead") {
             return Ok(RetryOutcome::NotRetryable { state });
         }
-        let until: Option<DateTime<Utc>> = row
+        let until: Option<PgTime> = row
             .try_get("claimed_until")
             .map_err(|e| Error::decode(id, "claimed_until", e))?;
         match until {
-            Some(until) => Ok(RetryOutcome::Leased { until }),
+            Some(PgTime(until)) => Ok(RetryOutcome::Leased { until }),
             // Not reached: a failed or dead row is refused only under a lease.
             None => Ok(RetryOutcome::NotRetryable { state }),
         }

@@ -137,14 +137,18 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
              ORDER BY received_at LIMIT $2))"
         )
         .into(),
-        // A NULL state (another writer's) is counted under its own name.
+        // A NULL state (another writer's) is counted under its own name. The ages leave out
+        // `created_at` values that are not times (another writer's `±infinity`): Postgres
+        // refuses to subtract them, which would fail the whole query.
         status: format!(
             "SELECT COALESCE(state, '(null)'), count(*), \
-             EXTRACT(EPOCH FROM now() - min(created_at))::float8 FROM {o} GROUP BY state"
+             EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE isfinite(created_at)))::float8 \
+             FROM {o} GROUP BY state"
         )
         .into(),
         backlog: format!(
-            "SELECT count(*), EXTRACT(EPOCH FROM now() - min(created_at))::float8 \
+            "SELECT count(*), \
+             EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE isfinite(created_at)))::float8 \
              FROM {o} WHERE state IN ({OPEN_STATES})"
         )
         .into(),
