@@ -95,6 +95,8 @@ struct Faulty {
     no_extend: AtomicBool,
     /// Calls of `mark_failures` (which `mark_failure` makes too).
     failure_marks: AtomicUsize,
+    /// `mark_failures` also answers ids it was not asked about.
+    answer_unasked: AtomicBool,
 }
 
 impl Faulty {
@@ -108,6 +110,7 @@ impl Faulty {
             claims: AtomicUsize::new(0),
             no_extend: AtomicBool::new(false),
             failure_marks: AtomicUsize::new(0),
+            answer_unasked: AtomicBool::new(false),
         })
     }
 }
@@ -155,7 +158,11 @@ impl OutboxRepository for Faulty {
                 "a value the batch statement refuses".into(),
             ));
         }
-        self.inner.mark_failures(claim, failures).await
+        let mut marked = self.inner.mark_failures(claim, failures).await?;
+        if self.answer_unasked.load(Ordering::SeqCst) {
+            marked.extend(["never-asked-1".to_owned(), "never-asked-2".to_owned()]);
+        }
+        Ok(marked)
     }
 
     async fn extend_lease(
@@ -347,6 +354,29 @@ async fn failed_rows_are_marked_in_one_call_with_a_row_by_row_fallback() {
         assert_eq!(row.state, OutboxMessageState::Failed, "{id}");
         assert!(!memory.is_leased(id), "{id} is still leased");
     }
+}
+
+/// A custom repository whose failure mark answers more ids than it was asked about (the
+/// trait cannot stop it): the rows asked about count as marked, the others are ignored, and
+/// nothing is reported lost (the count used to underflow).
+#[tokio::test(start_paused = true)]
+async fn a_failure_mark_answering_extra_ids_is_not_a_lost_lease() {
+    let memory = repo_with(&["a", "b"]);
+    let repo = Faulty::new(memory.clone());
+    repo.answer_unasked.store(true, Ordering::SeqCst);
+    let publisher = RecordingPublisher::new();
+    publisher.fail_always("a", "no responders");
+    let reports = Reports::default();
+    let dispatcher = OutboxDispatcher::builder(repo, publisher.clone())
+        .batch_size(10)
+        .retry_policy(RetryPolicy::fixed(LONG))
+        .on_error(reports.callback())
+        .start()
+        .unwrap();
+    assert!(eventually(|| memory.get("a").unwrap().state == OutboxMessageState::Failed).await);
+    assert!(eventually(|| all_dispatched(&memory, &["b"])).await);
+    dispatcher.shutdown().await;
+    assert_eq!(reports.all(), ["publish: a"]);
 }
 
 // ---------------------------------------------------------------------------------------

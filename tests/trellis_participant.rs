@@ -134,6 +134,24 @@ async fn stored_event_rows_pass_upstreams_restore() {
             .map(|v| v.as_str()),
         Some("kept")
     );
+
+    // A message edited by hand (or read from a table another writer filled) with a header
+    // NATS cannot carry is an error naming it, not a panic inside the header map.
+    for (name, value, expected) in [
+        ("bad name", "x", "printable ASCII"),
+        ("app-header", "two\r\nlines", "app-header"),
+        ("Nats-Rollup", "all", "control header"),
+    ] {
+        let mut edited = rows[1].clone();
+        edited.headers.insert(name.to_owned(), value.to_owned());
+        let text = permanent(prepared_event(&edited).unwrap_err());
+        assert!(
+            text.contains(&edited.id)
+                && text.contains("cannot be published")
+                && text.contains(expected),
+            "{name}: {text}"
+        );
+    }
 }
 
 /// The error's text, after checking that neither it nor the dispatcher's view of it is

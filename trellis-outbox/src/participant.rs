@@ -57,6 +57,15 @@ pub enum ParticipantError {
         /// The header's name.
         header: &'static str,
     },
+    /// A stored header NATS cannot carry (a name with a space, `:` or non-ASCII, a value
+    /// with CR or LF) or a `Nats-*` control header.
+    #[error("outbox row '{id}' has a header that cannot be published: {problem}")]
+    InvalidHeader {
+        /// The row's id.
+        id: String,
+        /// What is wrong with the header.
+        problem: String,
+    },
     /// Upstream refused the stored event (descriptor, subject shape, id or event time).
     #[error("outbox row '{id}' is not a valid Trellis event")]
     Restore {
@@ -91,7 +100,10 @@ impl ParticipantError {
     /// proof or permission that is rejected, is not.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Self::NotAnEvent { .. } | Self::MissingHeader { .. } | Self::Restore { .. } => false,
+            Self::NotAnEvent { .. }
+            | Self::MissingHeader { .. }
+            | Self::InvalidHeader { .. }
+            | Self::Restore { .. } => false,
             Self::Timeout { .. } => true,
             Self::Publish { source, .. } => matches!(
                 source,
@@ -133,8 +145,10 @@ fn header<'a>(headers: &'a BTreeMap<String, String>, name: &str) -> Option<&'a s
 /// # Errors
 ///
 /// [`ParticipantError::NotAnEvent`] for job rows, [`ParticipantError::MissingHeader`]
-/// without a descriptor or event time, [`ParticipantError::Restore`] when upstream refuses
-/// what is stored.
+/// without a descriptor or event time, [`ParticipantError::InvalidHeader`] for a header NATS
+/// cannot carry (the message may have been built or edited by hand, or read from a table
+/// another writer filled), [`ParticipantError::Restore`] when upstream refuses what is
+/// stored.
 pub fn prepared_event(message: &OutboxMessage) -> Result<PreparedTrellisEvent, ParticipantError> {
     if message.kind != OutboxRecordKind::EventPublish {
         return Err(ParticipantError::NotAnEvent {
@@ -163,8 +177,15 @@ pub fn prepared_event(message: &OutboxMessage) -> Result<PreparedTrellisEvent, P
     })?;
     // The rest of the row's headers (trace context, application headers) travel along;
     // upstream overlays its own id, time, descriptor and proof headers on them.
+    // `HeaderMap::insert` panics on a name or value NATS cannot carry: check first.
     let mut headers = trellis_nats::HeaderMap::new();
     for (name, value) in &message.headers {
+        if let Some(problem) = crate::wire::header_problem(name, value) {
+            return Err(ParticipantError::InvalidHeader {
+                id: message.id.clone(),
+                problem,
+            });
+        }
         headers.insert(name.as_str(), value.as_str());
     }
     Ok(restored.with_headers(headers))

@@ -62,9 +62,9 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             }
             if !dispatched.is_empty() {
                 let (done, dead) = self.mark_dispatched(&claim, &dispatched).await;
-                marked.report.dispatched += done;
-                marked.report.dead += dead;
-                lost += (dispatched.len() as u64).saturating_sub(done + dead);
+                marked.report.dispatched = marked.report.dispatched.saturating_add(done);
+                marked.report.dead = marked.report.dead.saturating_add(dead);
+                lost += (dispatched.len() as u64).saturating_sub(done.saturating_add(dead));
                 if done == dispatched.len() as u64 {
                     for name in &dispatched_names {
                         metrics::count(metrics::DISPATCHED, name, 1);
@@ -98,7 +98,9 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 }
             }
             let done: HashSet<String> = self.mark_failures(&claim, &rows).await;
-            lost += (rows.len() - done.len()) as u64;
+            // The rows the repository did not confirm (a custom repository may answer ids it
+            // was not asked about: they are not counted).
+            lost += rows.iter().filter(|row| !done.contains(&row.id)).count() as u64;
 
             for poison in claim.poisoned.iter().filter(|p| done.contains(&p.id)) {
                 marked.report.dead += 1;
