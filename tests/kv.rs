@@ -162,6 +162,29 @@ async fn g15_claims_are_revision_checked_racing_claimers_share_nothing() {
     bucket.end().await;
 }
 
+/// A lease of `Duration::MAX` (the trait does not stop a caller passing one) holds the
+/// record for a century, stored in Trellis' time format; it used to be written as a year
+/// past 9999 with a sign, which no reader parses, so the record was claimable at once.
+#[tokio::test]
+async fn an_endless_lease_holds_the_record() {
+    let bucket = Bucket::new().await;
+    let outbox = bucket.outbox();
+    outbox.enqueue(&event("held")).await.unwrap();
+    let first = outbox.claim_due(10, Duration::MAX, None).await.unwrap();
+    assert_eq!(first.messages.len(), 1);
+    assert!(
+        outbox.claim_due(10, LEASE, None).await.unwrap().is_empty(),
+        "still held"
+    );
+    let until = bucket.value("held").await["nextAttemptAt"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(until.len() == 24 && until.ends_with('Z'), "{until}");
+    assert!(until.as_str() > "2100", "{until}");
+    bucket.end().await;
+}
+
 #[tokio::test]
 async fn a_dead_dispatchers_claim_expires_and_its_late_marks_are_fenced() {
     let bucket = Bucket::new().await;
@@ -222,6 +245,49 @@ async fn a_dead_dispatchers_claim_expires_and_its_late_marks_are_fenced() {
         outbox.get("orphan").await.unwrap().unwrap().state,
         OutboxMessageState::Dispatched
     );
+    bucket.end().await;
+}
+
+/// Records another writer stored under keys their ids do not map back to (a non-JSON value
+/// under an escaped-looking key; a good record copied under another key): the marks find
+/// the record the claim took, by its key, so the poison goes dead and the good one is
+/// dispatched once, not republished after every lease.
+#[tokio::test]
+async fn records_whose_id_does_not_name_their_key_are_marked_where_they_were_claimed() {
+    let bucket = Bucket::new().await;
+    let outbox = bucket.outbox();
+    bucket
+        .store
+        .put("_b64.Zm9v", "not json either".into())
+        .await
+        .unwrap();
+    outbox.enqueue(&event("original")).await.unwrap();
+    let copy = bucket.value("original").await;
+    bucket
+        .store
+        .put(
+            "copied-elsewhere",
+            serde_json::to_vec(&copy).unwrap().into(),
+        )
+        .await
+        .unwrap();
+    bucket.store.delete("original").await.unwrap();
+
+    let publisher = RecordingPublisher::new();
+    let report = dispatch_outbox(&outbox, &publisher, DispatchOptions::new())
+        .await
+        .unwrap();
+    assert_eq!((report.dispatched, report.dead), (1, 1), "{report:?}");
+    assert_eq!(bucket.value("_b64.Zm9v").await["state"], "dead");
+    assert_eq!(
+        bucket.value("copied-elsewhere").await["state"],
+        "dispatched"
+    );
+    let again = dispatch_outbox(&outbox, &publisher, DispatchOptions::new())
+        .await
+        .unwrap();
+    assert_eq!((again.dispatched, again.dead), (0, 0), "{again:?}");
+    assert_eq!(publisher.attempt_count("original"), 1);
     bucket.end().await;
 }
 

@@ -2,15 +2,20 @@
 
 use chrono::{DateTime, SecondsFormat, Utc};
 
-/// The current time, truncated to whole milliseconds (the precision Trellis stores).
-/// `time + duration`, or the latest representable time if that overflows.
+/// `time + duration`, with `duration` capped at about 100 years
+/// ([`MAX_SQL_DURATION`](crate::dispatch::MAX_SQL_DURATION), as the SQL repositories cap
+/// what they add to the database's clock): a longer lease or delay means "practically
+/// never". Uncapped, a time past the year 9999 would be written with a sign
+/// (`+262143-…`), which Trellis' format cannot hold and [`parse_timestamp`] refuses: a
+/// lease stored that way would read as no lease at all.
 pub(crate) fn add_saturating(time: DateTime<Utc>, duration: std::time::Duration) -> DateTime<Utc> {
-    chrono::TimeDelta::from_std(duration)
+    chrono::TimeDelta::from_std(duration.min(crate::dispatch::MAX_SQL_DURATION))
         .ok()
         .and_then(|d| time.checked_add_signed(d))
         .unwrap_or(DateTime::<Utc>::MAX_UTC)
 }
 
+/// The current time, truncated to whole milliseconds (the precision Trellis stores).
 pub(crate) fn now_millis() -> DateTime<Utc> {
     let now = Utc::now();
     DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now)
@@ -76,6 +81,21 @@ fn parse_iso_millis(b: &[u8]) -> Option<DateTime<Utc>> {
 mod tests {
     use super::*;
     use chrono::TimeZone;
+
+    #[test]
+    fn an_endless_duration_adds_a_century_that_still_round_trips() {
+        let now = Utc.with_ymd_and_hms(2026, 12, 4, 0, 0, 0).unwrap();
+        for duration in [
+            std::time::Duration::MAX,
+            std::time::Duration::from_secs(u64::MAX / 2),
+        ] {
+            let until = add_saturating(now, duration);
+            assert_eq!(until, now + crate::dispatch::MAX_SQL_DURATION);
+            assert_eq!(parse_timestamp(&format_timestamp(until)).unwrap(), until);
+        }
+        let hour = std::time::Duration::from_secs(3600);
+        assert_eq!(add_saturating(now, hour), now + hour);
+    }
 
     #[test]
     fn formats_like_to_iso_string() {

@@ -103,6 +103,10 @@ pub struct Claim {
     pub(crate) after: HashMap<String, String>,
     /// The ids of the keyed rows of the claim.
     pub(crate) keyed: HashSet<String>,
+    /// Where a row was claimed from when its id does not name it: the NATS KV outbox's key
+    /// of a record whose stored `id` does not map back to its key (another writer's), so
+    /// that the marks find the record they claimed.
+    pub(crate) stored_at: HashMap<String, String>,
 }
 
 impl Claim {
@@ -115,6 +119,7 @@ impl Claim {
             poisoned: Vec::new(),
             after: HashMap::new(),
             keyed: HashSet::new(),
+            stored_at: HashMap::new(),
         }
     }
 

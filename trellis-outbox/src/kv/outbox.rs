@@ -246,7 +246,11 @@ impl NatsKvOutboxRepository {
         id: &str,
         change: impl Fn(&mut Map<String, Value>, DateTime<Utc>),
     ) -> Result<bool> {
-        let key = key_of(id);
+        let key = claim
+            .stored_at
+            .get(id)
+            .cloned()
+            .unwrap_or_else(|| key_of(id));
         for _ in 0..CAS_ATTEMPTS {
             let Some(mut read) = self.read(&key).await? else {
                 return Ok(false);
@@ -369,6 +373,13 @@ impl OutboxRepository for NatsKvOutboxRepository {
             }
             if !self.claim_one(&mut read, &claim.token, now, until).await? {
                 continue;
+            }
+            let id = match &message {
+                Ok(message) => message.id.clone(),
+                Err(_) => read.id(),
+            };
+            if key_of(&id) != read.key {
+                claim.stored_at.insert(id, read.key.clone());
             }
             match message {
                 Ok(mut message) => {
