@@ -341,6 +341,47 @@ async fn postgres_rows_with_infinite_times_are_poison_not_a_panic() {
     db.close().await;
 }
 
+/// A row whose id is text but not UTF-8 (another writer's bytes): no mark by id can reach
+/// it, so the claim puts it to rest by the id's bytes; the rows beside it are dispatched and
+/// it is not claimed again.
+#[tokio::test]
+async fn sqlite_a_row_whose_id_is_not_utf8_goes_dead_by_its_bytes() {
+    let db = TestSqlite::new().await;
+    migrate(&db.pool).await.unwrap();
+    sqlx::raw_sql(
+        "INSERT INTO trellis_outbox (id, kind, name, subject, payload, headers, state, attempts, created_at, updated_at) \
+         VALUES (CAST(X'6964FF' AS TEXT), 'event.publish', 'A.B', 'events.v1.A.B', '{}', '{}', 'pending', 0, \
+         '2000-01-01T00:00:00.000Z', '2000-01-01T00:00:00.000Z')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let ids = load(&db.pool, 5).await;
+    let repo = SqliteOutboxRepository::new(db.pool.clone());
+    let publisher = RecordingPublisher::new();
+    let options = DispatchOptions::new().batch_size(3);
+    let report = dispatch_outbox(&repo, &publisher, options.clone())
+        .await
+        .unwrap();
+    assert_eq!(report.dispatched, 5, "{report:?}");
+    let counts = attempt_counts(&publisher);
+    assert!(
+        ids.iter().all(|id| counts.get(id) == Some(&1)),
+        "{counts:?}"
+    );
+    let (state, leased, last_error): (String, bool, String) = sqlx::query_as(
+        "SELECT state, claim_token IS NOT NULL, last_error FROM trellis_outbox \
+         WHERE CAST(id AS BLOB) = X'6964FF'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((state.as_str(), leased), ("dead", false));
+    assert!(last_error.contains("not UTF-8"), "{last_error}");
+    let again = dispatch_outbox(&repo, &publisher, options).await.unwrap();
+    assert_eq!((again.dispatched, again.failed, again.dead), (0, 0, 0));
+}
+
 #[tokio::test]
 async fn sqlite_retries_end_in_dead_and_poison_does_not_block() {
     let db = TestSqlite::new().await;

@@ -89,18 +89,43 @@ impl RepositoryBackend for Sqlite {
         let mut claim = Claim::empty(due.token, cutoff);
         // Rows whose packed values are unusual, to be read column by column.
         let mut unread = Vec::new();
+        // Rows whose id is not UTF-8 text: (its bytes, why the row is poison).
+        let mut unnamed = Vec::new();
         for row in &rows {
             match decode_claimed(row) {
                 Ok(Some(message)) => claim.push_message(message),
                 // decode_claimed read the id before answering None.
                 Ok(None) => unread.push(row.try_get::<String, _>(0).unwrap_or_default()),
-                Err(error) => claim.poisoned.push(PoisonRow {
-                    id: row.try_get(0).unwrap_or_default(),
-                    reason: error.to_string(),
-                }),
+                Err(error) => match row.try_get::<String, _>(0) {
+                    Ok(id) => claim.poisoned.push(PoisonRow {
+                        id,
+                        reason: error.to_string(),
+                    }),
+                    Err(_) => unnamed.push((
+                        row.try_get::<Vec<u8>, _>(0).unwrap_or_default(),
+                        error.to_string(),
+                    )),
+                },
             }
         }
         drop(rows);
+        // No mark by id reaches them: put them to rest here, by their bytes. They do not
+        // appear in the claim (it has no id to give them).
+        for (bytes, reason) in unnamed {
+            let reason = format!("the id is not UTF-8 text ({reason})");
+            let done = sqlx::query(statement(&on.only.dead_by_id_bytes))
+                .bind(&bytes)
+                .bind(&claim.token)
+                .bind(&reason)
+                .execute(on.pool)
+                .await
+                .map_err(Error::repository("mark a row whose id is not UTF-8 dead"))?;
+            tracing::warn!(
+                id = %String::from_utf8_lossy(&bytes),
+                marked = done.rows_affected(),
+                "a claimed row's id is not UTF-8 text: marked dead by its bytes"
+            );
+        }
         let unread = if unread.is_empty() {
             Vec::new()
         } else {

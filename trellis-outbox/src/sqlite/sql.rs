@@ -196,6 +196,10 @@ pub struct SqliteOnly {
     pub(crate) read_claimed: Arc<str>,
     /// Why `retry` changed nothing: the row's state (as text) and lease, if any.
     pub(crate) retry_refusal: Arc<str>,
+    /// Puts a claimed row to rest by its id's bytes: an id that is text but not UTF-8 cannot
+    /// be decoded, so no mark by id (a JSON array of strings) can reach it. ?1 the id's
+    /// bytes, ?2 token, ?3 the reason.
+    pub(crate) dead_by_id_bytes: Arc<str>,
 }
 
 #[cfg(feature = "sqlite")]
@@ -220,6 +224,12 @@ impl SqliteOnly {
                  ELSE CAST('<' || typeof(state) || '>' AS BLOB) END, \
                  CASE WHEN claim_token IS NOT NULL AND claimed_until > {NOW} THEN claimed_until END \
                  FROM {o} WHERE id = ?1"
+            )
+            .into(),
+            dead_by_id_bytes: format!(
+                "UPDATE {o} SET state = 'dead', updated_at = {NOW}, next_attempt_at = {NEVER}, \
+                 claimed_until = NULL, claim_token = NULL, last_error = ?3 \
+                 WHERE CAST(id AS BLOB) = ?1 AND claim_token = ?2"
             )
             .into(),
         }
