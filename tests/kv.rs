@@ -310,15 +310,26 @@ async fn poison_values_go_dead_and_the_rest_is_dispatched() {
         .await
         .unwrap();
     outbox.enqueue(&event("good-2")).await.unwrap();
+    bucket
+        .store
+        .put("binary", vec![0xff_u8, 0x00, 0x80].into())
+        .await
+        .unwrap();
 
     let publisher = RecordingPublisher::new();
     let report = dispatch_outbox(&outbox, &publisher, DispatchOptions::new())
         .await
         .unwrap();
-    assert_eq!((report.dispatched, report.dead), (2, 2), "{report:?}");
+    assert_eq!((report.dispatched, report.dead), (2, 3), "{report:?}");
     let garbage = bucket.value("garbage").await;
     assert_eq!(garbage["state"], "dead");
     assert_eq!(garbage["raw"], "not json at all", "what was there is kept");
+    let bytes = bucket.value("binary").await;
+    assert_eq!(bytes["state"], "dead");
+    assert_eq!(
+        bytes["rawBase64"], "/wCA",
+        "bytes that are not UTF-8 are kept exactly: {bytes}"
+    );
     assert_eq!(garbage["nextAttemptAt"], "9999-12-31T00:00:00.000Z");
     let weird = bucket.value("weird-kind").await;
     assert_eq!(weird["state"], "dead");

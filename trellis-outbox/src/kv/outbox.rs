@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use async_nats::jetstream::kv::{self, CreateErrorKind, Operation, UpdateErrorKind};
+use base64::Engine as _;
 use chrono::{DateTime, TimeDelta, Utc};
 use futures_util::{StreamExt as _, TryStreamExt as _};
 use serde_json::{Map, Value};
@@ -86,7 +87,7 @@ struct Read {
     revision: u64,
     value: Map<String, Value>,
     /// The raw value, when it was not a JSON object.
-    raw: Option<String>,
+    raw: Option<Vec<u8>>,
 }
 
 impl Read {
@@ -196,7 +197,7 @@ impl NatsKvOutboxRepository {
                     key: e.key,
                     revision: e.revision,
                     value: Map::new(),
-                    raw: Some(String::from_utf8_lossy(&e.value).into_owned()),
+                    raw: Some(e.value.to_vec()),
                 },
             }
         }))
@@ -302,9 +303,18 @@ impl NatsKvOutboxRepository {
         until: DateTime<Utc>,
     ) -> Result<bool> {
         if let Some(raw) = read.raw.take() {
-            // Not a record: keep what was there, so the dead record shows it.
+            // Not a record: keep what was there, so the dead record shows it (the bucket keeps
+            // one revision: this is the only copy). Bytes that are not UTF-8 are kept exactly,
+            // in standard base64.
             set(&mut read.value, "id", read.key.clone());
-            set(&mut read.value, "raw", raw);
+            match String::from_utf8(raw) {
+                Ok(text) => set(&mut read.value, "raw", text),
+                Err(bytes) => set(
+                    &mut read.value,
+                    "rawBase64",
+                    base64::engine::general_purpose::STANDARD.encode(bytes.as_bytes()),
+                ),
+            }
         }
         set(
             &mut read.value,
