@@ -106,6 +106,7 @@ pub struct Claim {
     /// Where a row was claimed from when its id does not name it: the NATS KV outbox's key
     /// of a record whose stored `id` does not map back to its key (another writer's), so
     /// that the marks find the record they claimed.
+    #[cfg_attr(not(feature = "nats"), allow(dead_code))]
     pub(crate) stored_at: HashMap<String, String>,
 }
 

@@ -10,6 +10,7 @@ mod database;
 mod repository;
 pub(crate) mod schema;
 pub(crate) mod sql;
+#[cfg(feature = "postgres")]
 mod time;
 #[cfg(feature = "postgres")]
 pub(crate) mod wakeup;
