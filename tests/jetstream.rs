@@ -797,3 +797,28 @@ async fn a_stuck_job_dispatcher_times_out_retryably_and_events_still_publish() {
         .await;
     events.delete().await;
 }
+
+/// The test support's `jetstream()` deletes test streams left behind by a test that
+/// panicked before its cleanup (named `TRELLIS_T_<ulid>`), once they are over an hour old,
+/// and leaves younger ones (another test may be using them) and other streams alone.
+#[tokio::test]
+async fn stale_test_streams_are_swept() {
+    let js = jetstream().await;
+    let two_hours_ago = std::time::SystemTime::now() - Duration::from_secs(2 * 3600);
+    let stale = format!("TRELLIS_T_{}", ulid::Ulid::from_datetime(two_hours_ago));
+    let fresh = format!("TRELLIS_T_{}", ulid::Ulid::generate());
+    for name in [&stale, &fresh] {
+        js.create_stream(Config {
+            name: name.clone(),
+            subjects: vec![format!("swept.{name}.>")],
+            storage: async_nats::jetstream::stream::StorageType::Memory,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    let js = jetstream().await;
+    assert!(js.get_stream(&stale).await.is_err(), "{stale} was swept");
+    assert!(js.get_stream(&fresh).await.is_ok(), "{fresh} was kept");
+    js.delete_stream(&fresh).await.unwrap();
+}
