@@ -475,6 +475,83 @@ impl Harness {
     }
 }
 
+/// Deletes the harness' durable and creates it again, with `max_batch` (0: no limit).
+async fn recreate_durable(stream: &TestStream, name: &str, max_batch: i64) {
+    let js_stream = stream.context.get_stream(&stream.name).await.unwrap();
+    js_stream.delete_consumer(name).await.unwrap();
+    js_stream
+        .create_consumer(PullConfig {
+            durable_name: Some(name.to_owned()),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(2),
+            max_deliver: 10,
+            max_batch,
+            ..PullConfig::default()
+        })
+        .await
+        .unwrap();
+}
+
+async fn publish_shipped(h: &Harness, from: u64, to: u64) {
+    for n in from..to {
+        publish(
+            &h.stream.context,
+            h.stream.subject(&format!("shipped.o{n}")),
+            Some(&format!("evt-{n}")),
+            shipped(n),
+        )
+        .await;
+    }
+}
+
+/// A durable whose creator limited each pull (`max_batch` 4) below the consumer's
+/// concurrency (16): the server refuses larger pulls, which used to end the message stream
+/// and with it the consumer, silently. Pulls now stay within the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_with_a_small_max_batch_is_consumed() {
+    let h = Harness::new().await;
+    recreate_durable(&h.stream, &h.name, 4).await;
+    let consumer = h.start(None, |_, _| None).await;
+    publish_shipped(&h, 0, 10).await;
+    h.settled().await;
+    for n in 0..10 {
+        assert_eq!(h.effects(&format!("evt-{n}")).await, 1, "evt-{n}");
+    }
+    let report = consumer.shutdown().await.unwrap();
+    assert_eq!(report.applied, 10);
+    h.end().await;
+}
+
+/// The durable is deleted and created again while the consumer runs (an operator's fix):
+/// async-nats ends the message stream; the consumer starts a new one and goes on, and the
+/// inbox absorbs the new durable's redelivery of what was applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_recreated_while_running_is_consumed_again() {
+    let h = Harness::new().await;
+    let consumer = h.start(None, |_, _| None).await;
+    publish_shipped(&h, 0, 2).await;
+    h.settled().await;
+    recreate_durable(&h.stream, &h.name, 0).await;
+    publish_shipped(&h, 2, 4).await;
+    eventually(
+        Duration::from_secs(30),
+        "the later events to be applied",
+        || async { h.effects("evt-2").await == 1 && h.effects("evt-3").await == 1 },
+    )
+    .await;
+    h.settled().await;
+    for n in 0..4 {
+        assert_eq!(
+            h.effects(&format!("evt-{n}")).await,
+            1,
+            "evt-{n} applied once"
+        );
+    }
+    let report = consumer.shutdown().await.unwrap();
+    assert_eq!(report.applied, 4);
+    h.end().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_failing_twice_then_succeeding_applies_once() {
     let h = Harness::new().await;

@@ -164,13 +164,15 @@ where
         consumer: shared.consumer_name.clone(),
         source,
     };
-    // Pull no more than can be worked on: a pulled message's ack wait is running.
-    let mut messages = consumer
-        .stream()
-        .max_messages_per_batch(concurrency)
-        .messages()
-        .await
-        .map_err(|e| pull_error(e.into()))?;
+    // Pull no more than can be worked on: a pulled message's ack wait is running. Nor more
+    // than the consumer allows per pull (`max_batch`, set by whoever created it): the server
+    // refuses a larger pull, and async-nats then ends the message stream.
+    let batch = match usize::try_from(consumer.cached_info().config.max_batch) {
+        Ok(max) if max > 0 => concurrency.min(max),
+        _ => concurrency,
+    };
+    let pull = || consumer.stream().max_messages_per_batch(batch).messages();
+    let mut messages = pull().await.map_err(|e| pull_error(e.into()))?;
     let permits = Arc::new(Semaphore::new(concurrency));
     let mut tasks = JoinSet::new();
     loop {
@@ -199,7 +201,24 @@ where
                 tracing::warn!(consumer = %shared.consumer_name, error = %err, "pulling messages failed; pulling again");
                 tokio::time::sleep(PULL_RETRY).await;
             }
-            None => break,
+            // async-nats ends the stream for good after some server replies (the consumer
+            // was deleted or is push based, a pull it refused) and when the client closes.
+            // Ending here would stop consuming while the handle reports nothing: start a new
+            // stream instead, as often as it takes, saying so each time.
+            None => {
+                tracing::error!(consumer = %shared.consumer_name, "the message stream ended; starting a new one");
+                tokio::select! {
+                    biased;
+                    () = cancel.cancelled() => break,
+                    () = tokio::time::sleep(PULL_RETRY) => {}
+                }
+                match pull().await {
+                    Ok(fresh) => messages = fresh,
+                    Err(err) => {
+                        tracing::error!(consumer = %shared.consumer_name, error = %err, "cannot pull messages; trying again");
+                    }
+                }
+            }
         }
         while tasks.try_join_next().is_some() {}
     }
