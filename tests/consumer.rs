@@ -29,8 +29,16 @@ use trellis_outbox_tests::{TestPg, TestSqlite};
 #[derive(Debug, Clone, Serialize, Deserialize, OutboxEvent)]
 #[outbox(name = "Orders.Shipped", subject = "tconsumer.orders.shipped.{order}")]
 struct Shipped {
+    #[serde(deserialize_with = "order_or_panic")]
     order: String,
     n: u64,
+}
+
+/// A user's `Deserialize` that panics (on the order "explode"), as a buggy one may.
+fn order_or_panic<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<String, D::Error> {
+    let order = String::deserialize(deserializer)?;
+    assert_ne!(order, "explode", "a buggy deserializer");
+    Ok(order)
 }
 
 /// A quick, fixed redelivery delay.
@@ -603,6 +611,13 @@ async fn poison_messages_are_dead_lettered_and_the_consumer_keeps_going() {
     publish(&js, h.stream.subject("shipped.noid"), None, shipped(2)).await;
     publish(
         &js,
+        h.stream.subject("shipped.boom"),
+        Some("evt-boom"),
+        br#"{"order":"explode","n":4}"#.to_vec(),
+    )
+    .await;
+    publish(
+        &js,
         h.stream.subject("shipped.o3"),
         Some("evt-3"),
         shipped(3),
@@ -617,7 +632,7 @@ async fn poison_messages_are_dead_lettered_and_the_consumer_keeps_going() {
     );
     assert_eq!(
         (report.applied, report.dead_lettered, report.redelivered),
-        (1, 2, 0)
+        (1, 3, 0)
     );
     assert!(
         h.deliveries.lock().unwrap().get("evt-bad").is_none(),
@@ -625,7 +640,18 @@ async fn poison_messages_are_dead_lettered_and_the_consumer_keeps_going() {
     );
 
     let copies = dead_letters(&js, &h.name).await;
-    assert_eq!(copies.len(), 2, "one dead-letter copy each");
+    assert_eq!(copies.len(), 3, "one dead-letter copy each");
+    // A panicking `Deserialize` is poison too, not a message left unsettled.
+    let boom = copies
+        .iter()
+        .find(|m| header(m, dead_letter_headers::MESSAGE_ID) == Some("evt-boom"))
+        .unwrap();
+    assert_eq!(header(boom, dead_letter_headers::KIND), Some("Undecodable"));
+    let error = header(boom, dead_letter_headers::ERROR).unwrap();
+    assert!(
+        error.contains("panicked") && error.contains("a buggy deserializer"),
+        "{error}"
+    );
     let bad = copies
         .iter()
         .find(|m| header(m, dead_letter_headers::MESSAGE_ID) == Some("evt-bad"))
@@ -659,7 +685,7 @@ async fn poison_messages_are_dead_lettered_and_the_consumer_keeps_going() {
         Some("2026-12-03T10:00:00.000Z")
     );
     let failures = h.failures.lock().unwrap().clone();
-    assert_eq!(failures.len(), 2);
+    assert_eq!(failures.len(), 3);
     assert!(
         failures
             .iter()

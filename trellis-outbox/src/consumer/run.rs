@@ -297,14 +297,31 @@ where
         );
         return give_up(shared, &mut at, failure).await;
     };
-    let event: E = match serde_json::from_slice(&message.payload) {
-        Ok(event) => event,
-        Err(err) => {
+    // A user's `Deserialize` (a `deserialize_with`, say) may panic: the message is then
+    // poison like any undecodable one, not lost to a task that ended without settling it.
+    let decoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        serde_json::from_slice::<E>(&message.payload)
+    }));
+    let event: E = match decoded {
+        Ok(Ok(event)) => event,
+        Ok(Err(err)) => {
             let failure = Failure::new(
                 FailureKind::Undecodable,
                 format!(
                     "the payload is not a valid {}: {err}",
                     std::any::type_name::<E>()
+                ),
+                false,
+            );
+            return give_up(shared, &mut at, failure).await;
+        }
+        Err(panic) => {
+            let failure = Failure::new(
+                FailureKind::Undecodable,
+                format!(
+                    "decoding the payload as {} panicked: {}",
+                    std::any::type_name::<E>(),
+                    crate::dispatch::panic_message(&*panic)
                 ),
                 false,
             );
