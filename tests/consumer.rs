@@ -694,6 +694,51 @@ async fn poison_messages_are_dead_lettered_and_the_consumer_keeps_going() {
     h.end().await;
 }
 
+/// A message a few KB under the server's `max_payload` fails permanently with a long
+/// error: the dead-letter copy (payload, headers and its own headers) must still fit, so its
+/// error header is shortened instead of the copy being refused at every delivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_near_the_size_limit_is_dead_lettered_with_a_shorter_error() {
+    let h = Harness::new().await;
+    let consumer = h
+        .start(None, |_, _| {
+            Some(HandlerError::permanent("x".repeat(5_000)))
+        })
+        .await;
+    let js = h.stream.context.clone();
+    let max_payload = js.client().server_info().max_payload;
+    let order = "o".repeat(max_payload - 3_000);
+    let payload = serde_json::to_vec(&Shipped { order, n: 1 }).unwrap();
+    publish(
+        &js,
+        h.stream.subject("shipped.big"),
+        Some("evt-big"),
+        payload.clone(),
+    )
+    .await;
+    h.settled().await;
+    let report = consumer.shutdown().await.unwrap();
+    assert_eq!(
+        (report.dead_lettered, report.redelivered),
+        (1, 0),
+        "{report:?}"
+    );
+    let copies = dead_letters(&js, &h.name).await;
+    assert_eq!(copies.len(), 1);
+    assert_eq!(
+        copies[0].payload.len(),
+        payload.len(),
+        "the payload is kept whole"
+    );
+    let error = header(&copies[0], dead_letter_headers::ERROR).unwrap();
+    assert!(
+        error.len() > 1_000 && error.len() < 3_000 && error.bytes().all(|b| b == b'x'),
+        "{} bytes",
+        error.len()
+    );
+    h.end().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_last_delivery_dead_letters_and_a_permanent_error_at_once() {
     let h = Harness::new().await;

@@ -517,7 +517,6 @@ async fn dead_letter<DB: OutboxDatabase, E, H>(
             }
         }
     }
-    headers.insert(h::ERROR, one_line(&failure.error).as_str());
     headers.insert(h::KIND, format!("{:?}", failure.kind).as_str());
     headers.insert(h::CONSUMER, shared.consumer_name.as_str());
     headers.insert(h::STREAM, at.stream.as_str());
@@ -536,6 +535,15 @@ async fn dead_letter<DB: OutboxDatabase, E, H>(
         )
         .as_str(),
     );
+    // The copy must fit the server's `max_payload` (headers and payload together): a message
+    // near the limit gets a shorter error, not a copy that can never be published.
+    let mut error = one_line(&failure.error);
+    let max_payload = shared.jetstream.client().server_info().max_payload;
+    if max_payload > 0 {
+        let used = at.message.payload.len() + wire_len(&headers) + h::ERROR.len() + 4;
+        truncate_to(&mut error, max_payload.saturating_sub(used));
+    }
+    headers.insert(h::ERROR, error.as_str());
     let publish = async {
         shared
             .jetstream
@@ -598,14 +606,32 @@ fn one_line(text: &str) -> String {
         .chars()
         .map(|c| if c.is_control() { ' ' } else { c })
         .collect();
-    if out.len() > MAX_ERROR_HEADER {
-        let mut end = MAX_ERROR_HEADER;
-        while !out.is_char_boundary(end) {
+    truncate_to(&mut out, MAX_ERROR_HEADER);
+    out
+}
+
+/// Cuts `text` to at most `max` bytes, at a character boundary.
+fn truncate_to(text: &mut String, max: usize) {
+    if text.len() > max {
+        let mut end = max;
+        while !text.is_char_boundary(end) {
             end -= 1;
         }
-        out.truncate(end);
+        text.truncate(end);
     }
-    out
+}
+
+/// The bytes `headers` take on the wire (`NATS/1.0\r\n`, `name: value\r\n` each, `\r\n`),
+/// which NATS counts against `max_payload` with the payload.
+fn wire_len(headers: &HeaderMap) -> usize {
+    let mut len = "NATS/1.0\r\n\r\n".len();
+    for (name, values) in headers.iter() {
+        let name: &str = name.as_ref();
+        for value in values {
+            len += name.len() + ": \r\n".len() + value.as_str().len();
+        }
+    }
+    len
 }
 
 /// The span of applying one message: with the `opentelemetry` feature a child of the trace
@@ -633,7 +659,20 @@ fn consume_span<E>(consumer: &str, delivered: &Delivered<E>) -> tracing::Span {
 
 #[cfg(test)]
 mod tests {
-    use super::one_line;
+    use super::{one_line, wire_len};
+
+    #[test]
+    fn header_wire_length_counts_the_block_as_nats_sends_it() {
+        let mut headers = async_nats::HeaderMap::new();
+        assert_eq!(wire_len(&headers), "NATS/1.0\r\n\r\n".len());
+        headers.insert("A", "b");
+        headers.append("A", "cd");
+        headers.insert("Trellis-Dlq-Kind", "Handler");
+        assert_eq!(
+            wire_len(&headers),
+            "NATS/1.0\r\nA: b\r\nA: cd\r\nTrellis-Dlq-Kind: Handler\r\n\r\n".len()
+        );
+    }
 
     #[test]
     fn errors_fit_one_header_line() {
