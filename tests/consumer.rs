@@ -500,6 +500,21 @@ async fn recreate_durable(stream: &TestStream, name: &str, max_batch: i64) {
         .unwrap();
 }
 
+/// Shuts `consumer` down and checks that events `evt-0` … `evt-{events - 1}` were each
+/// applied once, and nothing else; then ends the harness.
+async fn each_applied_once(h: Harness, consumer: ConsumerHandle, events: u64) {
+    for n in 0..events {
+        assert_eq!(
+            h.effects(&format!("evt-{n}")).await,
+            1,
+            "evt-{n} applied once"
+        );
+    }
+    let report = consumer.shutdown().await.unwrap();
+    assert_eq!(report.applied, events);
+    h.end().await;
+}
+
 async fn publish_shipped(h: &Harness, from: u64, to: u64) {
     for n in from..to {
         publish(
@@ -522,12 +537,7 @@ async fn a_durable_with_a_small_max_batch_is_consumed() {
     let consumer = h.start(None, |_, _| None).await;
     publish_shipped(&h, 0, 10).await;
     h.settled().await;
-    for n in 0..10 {
-        assert_eq!(h.effects(&format!("evt-{n}")).await, 1, "evt-{n}");
-    }
-    let report = consumer.shutdown().await.unwrap();
-    assert_eq!(report.applied, 10);
-    h.end().await;
+    each_applied_once(h, consumer, 10).await;
 }
 
 /// The durable is deleted and created again while the consumer runs (an operator's fix):
@@ -548,16 +558,7 @@ async fn a_durable_recreated_while_running_is_consumed_again() {
     )
     .await;
     h.settled().await;
-    for n in 0..4 {
-        assert_eq!(
-            h.effects(&format!("evt-{n}")).await,
-            1,
-            "evt-{n} applied once"
-        );
-    }
-    let report = consumer.shutdown().await.unwrap();
-    assert_eq!(report.applied, 4);
-    h.end().await;
+    each_applied_once(h, consumer, 4).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
