@@ -97,6 +97,8 @@ struct Faulty {
     failure_marks: AtomicUsize,
     /// `mark_failures` also answers ids it was not asked about.
     answer_unasked: AtomicBool,
+    /// `extend_lease` never returns (a pool with no free connection, a lock wait).
+    hang_extend: AtomicBool,
 }
 
 impl Faulty {
@@ -111,6 +113,7 @@ impl Faulty {
             no_extend: AtomicBool::new(false),
             failure_marks: AtomicUsize::new(0),
             answer_unasked: AtomicBool::new(false),
+            hang_extend: AtomicBool::new(false),
         })
     }
 }
@@ -173,6 +176,9 @@ impl OutboxRepository for Faulty {
     ) -> trellis_outbox::Result<u64> {
         if self.no_extend.load(Ordering::SeqCst) {
             return Ok(0);
+        }
+        if self.hang_extend.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
         }
         self.inner.extend_lease(claim, ids, lease).await
     }
@@ -259,6 +265,28 @@ async fn a_publish_longer_than_the_lease_keeps_its_lease() {
         assert_eq!(publisher.attempt_count(id), 1, "{id} was published twice");
     }
     assert!(reports.all().is_empty(), "{:?}", reports.all());
+}
+
+/// An extension that never returns: the publish is stopped before its lease ends (where a
+/// dispatcher that cannot extend stops), not left running past it while the rows become
+/// claimable again.
+#[tokio::test(start_paused = true)]
+async fn a_hanging_lease_extension_stops_the_publish_before_the_lease_ends() {
+    let ids = ["a", "b"];
+    let memory = repo_with(&ids);
+    let repo = Faulty::new(memory.clone());
+    repo.hang_extend.store(true, Ordering::SeqCst);
+    let publisher = RecordingPublisher::new();
+    publisher.delay_every_batch(Duration::from_millis(2500));
+    let reports = Reports::default();
+    let dispatcher = polling_dispatcher(repo.clone(), &publisher, 2, &reports);
+    assert!(eventually(|| memory.is_leased("a")).await);
+    // The lease is 1 s; the publish would take 2.5 s.
+    sleep(Duration::from_millis(950)).await;
+    assert_eq!(reports.all(), ["lease lost: 2"]);
+    repo.hang_extend.store(false, Ordering::SeqCst);
+    assert!(eventually(|| all_dispatched(&memory, &ids)).await);
+    dispatcher.shutdown().await;
 }
 
 /// A repository that cannot extend leases: the batch whose lease is nearly over is released

@@ -95,7 +95,17 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 }
                 loop {
                     sleep_until(lease_end.checked_sub(lease / 3).unwrap_or(lease_end)).await;
-                    match self.extend(&claim, &ids).await {
+                    // An extension that hangs (a pool with no free connection, a lock wait)
+                    // must not let the publish run past the lease: give up where a dispatcher
+                    // that cannot extend would stop.
+                    let stop = lease_end.checked_sub(lease / 10).unwrap_or(lease_end);
+                    let Ok(extended) =
+                        tokio::time::timeout_at(stop, self.extend(&claim, &ids)).await
+                    else {
+                        tracing::warn!("extending a lease did not finish before it ended");
+                        return LeaseTrouble::Expiring;
+                    };
+                    match extended {
                         Ok(Some(at)) => lease_end = at,
                         Ok(None) => return LeaseTrouble::Lost,
                         Err(source) => {
