@@ -99,6 +99,8 @@ struct Faulty {
     answer_unasked: AtomicBool,
     /// `extend_lease` never returns (a pool with no free connection, a lock wait).
     hang_extend: AtomicBool,
+    /// Calls of `purge_dispatched`, which never returns (a huge backlog being deleted).
+    purges: AtomicUsize,
 }
 
 impl Faulty {
@@ -114,6 +116,7 @@ impl Faulty {
             failure_marks: AtomicUsize::new(0),
             answer_unasked: AtomicBool::new(false),
             hang_extend: AtomicBool::new(false),
+            purges: AtomicUsize::new(0),
         })
     }
 }
@@ -185,6 +188,15 @@ impl OutboxRepository for Faulty {
 
     async fn release(&self, claim: &Claim, ids: &[&str]) -> trellis_outbox::Result<u64> {
         self.inner.release(claim, ids).await
+    }
+
+    async fn purge_dispatched(
+        &self,
+        _older_than: Duration,
+        _batch: usize,
+    ) -> trellis_outbox::Result<u64> {
+        self.purges.fetch_add(1, Ordering::SeqCst);
+        std::future::pending().await
     }
 
     async fn retry(&self, id: &str) -> trellis_outbox::Result<trellis_outbox::RetryOutcome> {
@@ -265,6 +277,34 @@ async fn a_publish_longer_than_the_lease_keeps_its_lease() {
         assert_eq!(publisher.attempt_count(id), 1, "{id} was published twice");
     }
     assert!(reports.all().is_empty(), "{:?}", reports.all());
+}
+
+/// Purging old dispatched rows takes as long as it takes (here: forever): it runs beside
+/// the drains, which go on dispatching, and shutdown does not wait for it. A second purge
+/// does not start while the first runs.
+#[tokio::test(start_paused = true)]
+async fn a_purge_that_never_ends_holds_up_neither_drains_nor_shutdown() {
+    let memory = repo_with(&["a"]);
+    let repo = Faulty::new(memory.clone());
+    let publisher = RecordingPublisher::new();
+    let dispatcher = OutboxDispatcher::builder(repo.clone(), publisher.clone())
+        .idle_interval(Duration::from_millis(100))
+        .retain_dispatched(Duration::from_secs(10))
+        .start()
+        .unwrap();
+    assert!(eventually(|| all_dispatched(&memory, &["a"])).await);
+    assert!(eventually(|| repo.purges.load(Ordering::SeqCst) == 1).await);
+    // Rows committed while the purge runs are dispatched, past several purge intervals.
+    for id in ["b", "c"] {
+        memory.enqueue(&record(id)).unwrap();
+        dispatcher.notify();
+        assert!(eventually(|| all_dispatched(&memory, &[id])).await, "{id}");
+        sleep(Duration::from_secs(2)).await;
+    }
+    assert_eq!(repo.purges.load(Ordering::SeqCst), 1, "one purge at a time");
+    tokio::time::timeout(Duration::from_secs(5), dispatcher.shutdown())
+        .await
+        .expect("shutdown does not wait for the purge");
 }
 
 /// An extension that never returns: the publish is stopped before its lease ends (where a

@@ -68,6 +68,9 @@ pub(super) struct Retention {
     older_than: Duration,
     every: Duration,
     next: Instant,
+    /// The purge running on a task of its own: deleting a large backlog of old rows takes
+    /// many statements, which must not hold up drains or shutdown.
+    running: Option<tokio::task::JoinHandle<crate::Result<u64>>>,
 }
 
 /// Rows per purge statement.
@@ -79,6 +82,7 @@ impl Retention {
             older_than,
             every: (older_than / 10).clamp(Duration::from_secs(1), Duration::from_secs(3_600)),
             next: Instant::now(),
+            running: None,
         }
     }
 }
@@ -297,24 +301,41 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
         report_error(self.on_error.as_deref(), error);
     }
 
-    /// Deletes old dispatched rows when the retention's time has come (after a drain, so a
-    /// purge never delays one).
+    /// Starts deleting old dispatched rows when the retention's time has come, on a task of
+    /// its own (checked after each drain): a purge never delays a drain or shutdown, and
+    /// the next one starts only after the last has finished.
     async fn purge_if_due(&mut self) {
         let Some(retention) = &mut self.retention else {
             return;
         };
-        if Instant::now() < retention.next {
-            return;
+        let finished = match &retention.running {
+            Some(running) if !running.is_finished() => return,
+            Some(_) => retention.running.take(),
+            None => None,
+        };
+        let start = Instant::now() >= retention.next;
+        if start {
+            retention.next = deadline(Instant::now(), retention.every);
+            let (repo, older_than) = (Arc::clone(&self.repo), retention.older_than);
+            retention.running = Some(tokio::spawn(async move {
+                repo.purge_dispatched(older_than, PURGE_BATCH).await
+            }));
         }
-        retention.next = deadline(Instant::now(), retention.every);
-        let older_than = retention.older_than;
-        match self.repo.purge_dispatched(older_than, PURGE_BATCH).await {
-            Ok(0) => {}
-            Ok(deleted) => tracing::debug!(deleted, "purged old dispatched outbox rows"),
-            Err(source) => self.report(&DispatchError::Repository {
+        let Some(finished) = finished else {
+            return;
+        };
+        match finished.await {
+            Ok(Ok(0)) => {}
+            Ok(Ok(deleted)) => tracing::debug!(deleted, "purged old dispatched outbox rows"),
+            Ok(Err(source)) => self.report(&DispatchError::Repository {
                 operation: "purge dispatched rows",
                 source,
             }),
+            Err(stopped) => {
+                if let Ok(panic) = stopped.try_into_panic() {
+                    self.report(&DispatchError::panicked("repository", &*panic));
+                }
+            }
         }
     }
 
