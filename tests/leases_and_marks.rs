@@ -101,6 +101,8 @@ struct Faulty {
     hang_extend: AtomicBool,
     /// Calls of `purge_dispatched`, which never returns (a huge backlog being deleted).
     purges: AtomicUsize,
+    /// `next_due_in` and `backlog` never return (a slow server).
+    hang_reads: AtomicBool,
 }
 
 impl Faulty {
@@ -117,6 +119,7 @@ impl Faulty {
             answer_unasked: AtomicBool::new(false),
             hang_extend: AtomicBool::new(false),
             purges: AtomicUsize::new(0),
+            hang_reads: AtomicBool::new(false),
         })
     }
 }
@@ -204,7 +207,17 @@ impl OutboxRepository for Faulty {
     }
 
     async fn next_due_in(&self) -> trellis_outbox::Result<Option<Duration>> {
+        if self.hang_reads.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
         self.inner.next_due_in().await
+    }
+
+    async fn backlog(&self) -> trellis_outbox::Result<Option<trellis_outbox::Backlog>> {
+        if self.hang_reads.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        self.inner.backlog().await
     }
 
     fn extends_leases(&self) -> bool {
@@ -305,6 +318,24 @@ async fn a_purge_that_never_ends_holds_up_neither_drains_nor_shutdown() {
     tokio::time::timeout(Duration::from_secs(5), dispatcher.shutdown())
         .await
         .expect("shutdown does not wait for the purge");
+}
+
+/// The due-time query and the backlog count never answer: shutdown does not wait for them.
+#[tokio::test(start_paused = true)]
+async fn shutdown_does_not_wait_for_a_hanging_due_query_or_backlog_count() {
+    let memory = repo_with(&["a"]);
+    let repo = Faulty::new(memory.clone());
+    repo.hang_reads.store(true, Ordering::SeqCst);
+    let publisher = RecordingPublisher::new();
+    let dispatcher = OutboxDispatcher::builder(repo, publisher.clone())
+        .backlog_metrics(Some(Duration::from_millis(100)))
+        .start()
+        .unwrap();
+    assert!(eventually(|| all_dispatched(&memory, &["a"])).await);
+    sleep(Duration::from_millis(500)).await;
+    tokio::time::timeout(Duration::from_secs(5), dispatcher.shutdown())
+        .await
+        .expect("shutdown ends although the reads never answer");
 }
 
 /// An extension that never returns: the publish is stopped before its lease ends (where a

@@ -199,6 +199,8 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
                         let mut asking = tokio::spawn(async move { next_due_in(&*repo).await });
                         let due = tokio::select! {
                             biased;
+                            // Shutdown does not wait for a slow query.
+                            () = self.cancel.cancelled() => break,
                             // Committed meanwhile: drain now (unless notifies are debounced);
                             // the query ends on its own, its answer stale. The timer is armed
                             // after that drain.
@@ -349,17 +351,30 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
             return;
         }
         *next = deadline(Instant::now(), *every);
-        match self.repo.backlog().await {
+        // Shutdown does not wait for a slow count, and a panicking repository is reported,
+        // not the end of the task.
+        let reading = async {
+            self.repo
+                .backlog()
+                .await
+                .map_err(|source| DispatchError::Repository {
+                    operation: "read the backlog",
+                    source,
+                })
+        };
+        let read = tokio::select! {
+            biased;
+            () = self.cancel.cancelled() => return,
+            read = guarded("repository", reading) => read,
+        };
+        match read {
             Ok(Some(backlog)) => {
                 metrics::gauge!(crate::metrics::UNDISPATCHED).set(backlog.undispatched as f64);
                 metrics::gauge!(crate::metrics::LAG_SECONDS)
                     .set(backlog.oldest.map_or(0.0, |age| age.as_secs_f64()));
             }
             Ok(None) => {}
-            Err(source) => self.report(&DispatchError::Repository {
-                operation: "read the backlog",
-                source,
-            }),
+            Err(error) => self.report(&error),
         }
     }
 
