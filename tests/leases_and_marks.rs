@@ -320,6 +320,26 @@ async fn a_purge_that_never_ends_holds_up_neither_drains_nor_shutdown() {
         .expect("shutdown does not wait for the purge");
 }
 
+/// `ids` in a memory repository behind a `Faulty` with the fault `flag` picks switched on,
+/// and a publisher taking `delay_ms` per batch.
+fn slow_publishes(
+    ids: &[&str],
+    delay_ms: u64,
+    flag: fn(&Faulty) -> &AtomicBool,
+) -> (
+    Arc<MemoryOutboxRepository>,
+    Arc<Faulty>,
+    RecordingPublisher,
+    Reports,
+) {
+    let memory = repo_with(ids);
+    let repo = Faulty::new(memory.clone());
+    flag(&repo).store(true, Ordering::SeqCst);
+    let publisher = RecordingPublisher::new();
+    publisher.delay_every_batch(Duration::from_millis(delay_ms));
+    (memory, repo, publisher, Reports::default())
+}
+
 /// The due-time query and the backlog count never answer: shutdown does not wait for them.
 #[tokio::test(start_paused = true)]
 async fn shutdown_does_not_wait_for_a_hanging_due_query_or_backlog_count() {
@@ -344,12 +364,7 @@ async fn shutdown_does_not_wait_for_a_hanging_due_query_or_backlog_count() {
 #[tokio::test(start_paused = true)]
 async fn a_hanging_lease_extension_stops_the_publish_before_the_lease_ends() {
     let ids = ["a", "b"];
-    let memory = repo_with(&ids);
-    let repo = Faulty::new(memory.clone());
-    repo.hang_extend.store(true, Ordering::SeqCst);
-    let publisher = RecordingPublisher::new();
-    publisher.delay_every_batch(Duration::from_millis(2500));
-    let reports = Reports::default();
+    let (memory, repo, publisher, reports) = slow_publishes(&ids, 2500, |r| &r.hang_extend);
     let dispatcher = polling_dispatcher(repo.clone(), &publisher, 2, &reports);
     assert!(eventually(|| memory.is_leased("a")).await);
     // The lease is 1 s; the publish would take 2.5 s.
@@ -365,12 +380,7 @@ async fn a_hanging_lease_extension_stops_the_publish_before_the_lease_ends() {
 #[tokio::test(start_paused = true)]
 async fn without_lease_extension_a_nearly_expired_batch_is_released_not_published() {
     let ids = ["a", "b", "c", "d"];
-    let memory = repo_with(&ids);
-    let repo = Faulty::new(memory.clone());
-    repo.no_extend.store(true, Ordering::SeqCst);
-    let publisher = RecordingPublisher::new();
-    publisher.delay_every_batch(Duration::from_millis(700));
-    let reports = Reports::default();
+    let (memory, repo, publisher, reports) = slow_publishes(&ids, 700, |r| &r.no_extend);
     let first = polling_dispatcher(repo.clone(), &publisher, 2, &reports);
     assert!(eventually(|| memory.is_leased("c")).await);
     let second = polling_dispatcher(repo.clone(), &publisher, 2, &reports);
