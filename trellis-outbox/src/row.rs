@@ -17,12 +17,6 @@ pub(crate) trait Stored<T> {
     fn into_value(self, id: &str, column: &'static str) -> Result<T>;
 }
 
-impl Stored<DateTime<Utc>> for DateTime<Utc> {
-    fn into_value(self, _: &str, _: &'static str) -> Result<DateTime<Utc>> {
-        Ok(self)
-    }
-}
-
 impl Stored<DateTime<Utc>> for &str {
     fn into_value(self, id: &str, column: &'static str) -> Result<DateTime<Utc>> {
         parse_timestamp(self).map_err(|e| Error::decode(id, column, format!("{self:?}: {e}")))

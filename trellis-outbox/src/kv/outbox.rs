@@ -389,7 +389,7 @@ impl OutboxRepository for NatsKvOutboxRepository {
                 Err(_) => read.id(),
             };
             if key_of(&id) != read.key {
-                claim.stored_at.insert(id, read.key.clone());
+                claim.stored_at.insert(id.clone(), read.key.clone());
             }
             match message {
                 Ok(mut message) => {
@@ -404,7 +404,7 @@ impl OutboxRepository for NatsKvOutboxRepository {
                     claim.push_message(message);
                 }
                 Err(err) => claim.poisoned.push(PoisonRow {
-                    id: read.id(),
+                    id,
                     reason: err.to_string(),
                 }),
             }
