@@ -51,6 +51,18 @@ const PG_HINT: &str = "start it with `pg_ctlcluster --skip-systemctl-redirect $(
 /// Test databases are named `trellis_t_<ulid>`; ones older than this are swept.
 const STALE_AFTER: Duration = Duration::from_secs(3600);
 
+/// Whether a test resource named with `ulid` (as `trellis_t_<ulid>`, `TRELLIS_T_<ulid>`) was
+/// created more than [`STALE_AFTER`] ago: a test that panicked left it behind.
+pub(crate) fn is_stale(ulid: &str) -> bool {
+    ulid::Ulid::from_string(&ulid.to_uppercase()).is_ok_and(|id| {
+        let created = std::time::UNIX_EPOCH + Duration::from_millis(id.timestamp_ms());
+        std::time::SystemTime::now()
+            .duration_since(created)
+            .unwrap_or_default()
+            > STALE_AFTER
+    })
+}
+
 /// A freshly created Postgres database, dropped by [`TestPg::close`].
 #[derive(Debug)]
 pub struct TestPg {
@@ -135,16 +147,8 @@ async fn sweep_stale(conn: &mut sqlx::PgConnection) {
             .fetch_all(&mut *conn)
             .await
             .unwrap_or_default();
-    let now = std::time::SystemTime::now();
     for name in names {
-        let Some(id) = name.strip_prefix("trellis_t_") else {
-            continue;
-        };
-        let Ok(id) = ulid::Ulid::from_string(&id.to_uppercase()) else {
-            continue;
-        };
-        let created = std::time::UNIX_EPOCH + Duration::from_millis(id.timestamp_ms());
-        if now.duration_since(created).unwrap_or_default() > STALE_AFTER {
+        if name.strip_prefix("trellis_t_").is_some_and(is_stale) {
             let _ = sqlx::raw_sql(AssertSqlSafe(format!(
                 "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
             )))

@@ -41,26 +41,18 @@ pub async fn jetstream() -> Context {
 }
 
 /// Streams (and KV buckets) tests create are named `TRELLIS_T_<ulid>` (`KV_trellis_t_<ulid>`);
-/// a test that panics before its cleanup leaves its own behind. Ones older than an hour are
-/// deleted, as the Postgres test databases are.
+/// a test that panics before its cleanup leaves its own behind. Stale ones
+/// ([`is_stale`](crate::is_stale)) are deleted, as the Postgres test databases are.
 async fn sweep_stale(js: &Context) {
     use futures::TryStreamExt as _;
     let Ok(names) = js.stream_names().try_collect::<Vec<String>>().await else {
         return;
     };
-    let now = std::time::SystemTime::now();
     for name in names {
-        let Some(id) = name
+        let id = name
             .strip_prefix("TRELLIS_T_")
-            .or_else(|| name.strip_prefix("KV_trellis_t_"))
-        else {
-            continue;
-        };
-        let Ok(id) = ulid::Ulid::from_string(&id.to_uppercase()) else {
-            continue;
-        };
-        let created = std::time::UNIX_EPOCH + Duration::from_millis(id.timestamp_ms());
-        if now.duration_since(created).unwrap_or_default() > Duration::from_secs(3600) {
+            .or_else(|| name.strip_prefix("KV_trellis_t_"));
+        if id.is_some_and(crate::is_stale) {
             let _ = js.delete_stream(&name).await;
         }
     }
