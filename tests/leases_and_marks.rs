@@ -4,7 +4,7 @@
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -103,6 +103,8 @@ struct Faulty {
     purges: AtomicUsize,
     /// `next_due_in` and `backlog` never return (a slow server).
     hang_reads: AtomicBool,
+    /// How long `mark_dispatched` takes, in milliseconds (a slow commit).
+    slow_marks: AtomicU64,
 }
 
 impl Faulty {
@@ -120,6 +122,7 @@ impl Faulty {
             hang_extend: AtomicBool::new(false),
             purges: AtomicUsize::new(0),
             hang_reads: AtomicBool::new(false),
+            slow_marks: AtomicU64::new(0),
         })
     }
 }
@@ -145,6 +148,10 @@ impl OutboxRepository for Faulty {
         claim: &Claim,
         rows: &[Dispatched],
     ) -> trellis_outbox::Result<u64> {
+        let slow = self.slow_marks.load(Ordering::SeqCst);
+        if slow > 0 {
+            sleep(Duration::from_millis(slow)).await;
+        }
         if self.fail_all_dispatched.load(Ordering::SeqCst) {
             return Err(io_error());
         }
@@ -290,6 +297,41 @@ async fn a_publish_longer_than_the_lease_keeps_its_lease() {
         assert_eq!(publisher.attempt_count(id), 1, "{id} was published twice");
     }
     assert!(reports.all().is_empty(), "{:?}", reports.all());
+}
+
+/// Marks of `ids` that take `mark_ms` each (a slow commit), with a one-second lease, batches
+/// of `batch`, and a second dispatcher polling for rows whose lease ran out: no row may be
+/// published twice.
+async fn slow_marks_publish_each_row_once(ids: &[&str], batch: usize, mark_ms: u64) {
+    let memory = repo_with(ids);
+    let repo = Faulty::new(memory.clone());
+    repo.slow_marks.store(mark_ms, Ordering::SeqCst);
+    let publisher = RecordingPublisher::new();
+    let reports = Reports::default();
+    let first = polling_dispatcher(repo.clone(), &publisher, batch, &reports);
+    assert!(eventually(|| memory.is_leased(ids[0])).await);
+    let second = polling_dispatcher(repo.clone(), &publisher, batch, &reports);
+    assert!(eventually(|| all_dispatched(&memory, ids)).await);
+    sleep(Duration::from_secs(3)).await;
+    first.shutdown().await;
+    second.shutdown().await;
+    for id in ids {
+        assert_eq!(publisher.attempt_count(id), 1, "{id} was published twice");
+    }
+    assert!(reports.all().is_empty(), "{:?}", reports.all());
+}
+
+/// A mark that takes 2.5 leases keeps the lease of its published rows to its end.
+#[tokio::test(start_paused = true)]
+async fn a_mark_longer_than_the_lease_keeps_its_lease() {
+    slow_marks_publish_each_row_once(&["a", "b"], 2, 2500).await;
+}
+
+/// Batches of one row, marks of 1.5 leases: while two marks are in flight the third
+/// published batch waits for a mark slot, with its lease kept.
+#[tokio::test(start_paused = true)]
+async fn a_published_batch_waiting_for_a_mark_slot_keeps_its_lease() {
+    slow_marks_publish_each_row_once(&["a", "b", "c", "d", "e"], 1, 1500).await;
 }
 
 /// Purging old dispatched rows takes as long as it takes (here: forever): it runs beside

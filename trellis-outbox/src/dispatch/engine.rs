@@ -19,7 +19,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use futures_util::StreamExt as _;
 use futures_util::stream::FuturesUnordered;
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
@@ -96,7 +96,8 @@ pub async fn dispatch_outbox<R: OutboxRepository, P: Publisher>(
 
 /// How many published batches may be marked at once while later ones are claimed and
 /// published. Each mark holds a connection; two cover one slow commit without letting
-/// marks pile up behind a stalled database.
+/// marks pile up behind a stalled database. A published batch waiting for one of these
+/// slots keeps its lease meanwhile.
 const MARKS_IN_FLIGHT: usize = 2;
 
 /// The state of one drain wave.
@@ -165,6 +166,8 @@ struct Published {
     /// released); `None` when the batch was not published (or not to the end) because its
     /// lease could not be kept: nothing of it is marked.
     results: Option<Vec<Option<PublishResult>>>,
+    /// When the lease ends after publishing (tokio clock): the mark keeps it from there.
+    lease_end: Instant,
     span: tracing::Span,
 }
 
@@ -235,6 +238,11 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             return Ok(());
         }
         // Published batches being marked, beside the claim and publish of the next ones.
+        let slots = Semaphore::new(MARKS_IN_FLIGHT);
+        let marking = |published: Published, settled: Vec<String>| {
+            let slots = &slots;
+            async move { (self.mark(published, Some(slots)).await, settled) }
+        };
         let mut marks = FuturesUnordered::new();
         let outcome = loop {
             let Some(leased) = current.take() else {
@@ -277,12 +285,28 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                     Some(self.claim(cutoff, settled).await)
                 }
             };
-            let stages = async { tokio::join!(self.publish(leased, span), claim_next) };
-            let (published, next) = beside_marks(stages, &mut marks, |m| wave.absorb(m)).await;
-            finish_marks(&mut marks, MARKS_IN_FLIGHT - 1, |m| wave.absorb(m)).await;
-            let settled = wave.settling(&published);
-            marks.push(async { (self.mark(published).await, settled) });
-            match next {
+            // The batch's mark starts as soon as it is published, not after the next claim,
+            // and keeps the batch's lease while it waits for a slot (`slots`): the lease
+            // must last until the mark.
+            let mut publishing = pin!(self.publish(leased, span));
+            let mut claiming = pin!(claim_next);
+            let mut publish_done = false;
+            let mut claimed: Option<Option<Result<Leased, DispatchError>>> = None;
+            while !(publish_done && claimed.is_some()) {
+                tokio::select! {
+                    biased;
+                    Some(marked) = marks.next(), if !marks.is_empty() => wave.absorb(marked),
+                    published = &mut publishing, if !publish_done => {
+                        publish_done = true;
+                        let settled = wave.settling(&published);
+                        marks.push(marking(published, settled));
+                    }
+                    next = &mut claiming, if claimed.is_none() => claimed = Some(next),
+                }
+            }
+            // No more than MARKS_IN_FLIGHT marks outstanding when the next publish starts.
+            finish_marks(&mut marks, MARKS_IN_FLIGHT, |m| wave.absorb(m)).await;
+            match claimed.flatten() {
                 Some(Ok(next)) => current = Some(next).filter(|l| !l.claim.is_empty()),
                 // Marks still finish below before the wave gives up.
                 Some(Err(error)) => break Err(error),

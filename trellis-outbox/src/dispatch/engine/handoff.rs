@@ -10,7 +10,7 @@ use std::time::Duration;
 use chrono::Utc;
 use futures_util::StreamExt as _;
 use futures_util::stream::FuturesUnordered;
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 use tokio::time::{Instant, sleep_until};
 
 use super::{
@@ -44,6 +44,8 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
         token: &str,
         wake: &mpsc::Sender<()>,
     ) {
+        // Marks hitting the repository at once; a mark waiting for a slot keeps its lease.
+        let slots = Semaphore::new(MARKS_IN_FLIGHT);
         let mut marks = FuturesUnordered::new();
         let mut received: Vec<Handoff> = Vec::new();
         let stopped = async {
@@ -61,9 +63,18 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
         // Published rows not yet marked, and when the first of them was published.
         let mut unmarked: Option<(Published, Instant)> = None;
         loop {
-            let mark_at = unmarked
-                .as_ref()
-                .map(|(_, since)| deadline(*since, MARK_WINDOW));
+            // Published rows are marked once they waited MARK_WINDOW and a mark slot is free,
+            // or when a third of their lease is left, slot or not (the mark keeps the lease
+            // while it waits for one).
+            let mark_at = unmarked.as_ref().map(|(published, since)| {
+                let end = published.lease_end;
+                let keep = end.checked_sub(self.options.lease / 3).unwrap_or(end);
+                if marks.len() < MARKS_IN_FLIGHT {
+                    keep.min(deadline(*since, MARK_WINDOW))
+                } else {
+                    keep
+                }
+            });
             tokio::select! {
                 biased;
                 () = &mut stopped => break,
@@ -71,11 +82,9 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                     settle(marked);
                     continue;
                 }
-                () = sleep_until(mark_at.unwrap_or_else(Instant::now)),
-                    if mark_at.is_some() && marks.len() < MARKS_IN_FLIGHT =>
-                {
+                () = sleep_until(mark_at.unwrap_or_else(Instant::now)), if mark_at.is_some() => {
                     if let Some((published, _)) = unmarked.take() {
-                        marks.push(self.mark(published));
+                        marks.push(self.mark(published, Some(&slots)));
                     }
                     continue;
                 }
@@ -105,14 +114,14 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 }
             };
             if rows_unmarked >= self.options.batch_size {
-                finish_marks(&mut marks, MARKS_IN_FLIGHT - 1, settle).await;
                 if let Some((published, _)) = unmarked.take() {
-                    marks.push(self.mark(published));
+                    marks.push(self.mark(published, Some(&slots)));
                 }
+                finish_marks(&mut marks, MARKS_IN_FLIGHT, settle).await;
             }
         }
         if let Some((published, _)) = unmarked.take() {
-            marks.push(self.mark(published));
+            marks.push(self.mark(published, Some(&slots)));
         }
         // Stopping: rows handed over but not published become claimable at once.
         rows.close();
@@ -133,6 +142,7 @@ fn merge(into: &mut Published, more: Published) {
         return;
     };
     results.extend(more_results);
+    into.lease_end = into.lease_end.min(more.lease_end);
     into.claim.messages.extend(more.claim.messages);
     into.claim.poisoned.extend(more.claim.poisoned);
 }

@@ -3,6 +3,7 @@
 
 use std::collections::HashSet;
 
+use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -20,24 +21,34 @@ const REPORTED_IDS: usize = 10;
 impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
     /// Marks a published batch and adds the outcome to the wave.
     pub(super) async fn mark_into(&self, wave: &mut Wave, published: Published) {
-        wave.absorb((self.mark(published).await, Vec::new()));
+        wave.absorb((self.mark(published, None).await, Vec::new()));
     }
 
     /// Records the outcome of a published batch: published rows `dispatched` first, then
     /// undecodable and failed rows `dead` or `failed` in one call. Repository errors are
     /// reported (a batch statement that fails for a reason other than the connection is
     /// retried row by row); rows left unmarked stay leased until their lease ends.
-    pub(super) async fn mark(&self, published: Published) -> Marked {
+    ///
+    /// With `slots`, the mark first waits for one of them (marks in flight at once). The
+    /// batch's lease is kept from the start of the wait to the end of the mark.
+    pub(super) async fn mark(&self, published: Published, slots: Option<&Semaphore>) -> Marked {
         let Published {
             claim,
             results,
+            lease_end,
             span,
         } = published;
-        async {
+        let was_published = results.is_some();
+        let marking = async {
             let mut marked = Marked::default();
             // Not published (the lease could not be kept): the claim was released.
             let Some(results) = results else {
                 return marked;
+            };
+            // Never closed: `None` only if it were, and the mark goes ahead then.
+            let _slot = match slots {
+                Some(slots) => slots.acquire().await.ok(),
+                None => None,
             };
             let started = std::time::Instant::now();
             let mut lost = 0u64;
@@ -147,8 +158,12 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             );
             marked
         }
-        .instrument(span)
-        .await
+        .instrument(span);
+        if was_published {
+            self.keep_lease_while(&claim, lease_end, marking).await
+        } else {
+            marking.await
+        }
     }
 
     /// Reports the publish failures of one batch: a single failure as itself, several as

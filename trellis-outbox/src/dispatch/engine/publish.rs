@@ -67,6 +67,7 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             return Published {
                 results: Some(Vec::new()),
                 claim,
+                lease_end,
                 span,
             };
         }
@@ -147,7 +148,69 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
         Published {
             claim,
             results,
+            lease_end,
             span,
+        }
+    }
+
+    /// Runs `mark` (the mark of a published batch) while keeping the batch's lease, which
+    /// ends at `lease_end`: a row whose lease ended before its mark committed could be
+    /// claimed and published again by another dispatcher (and a keyed row published again
+    /// after the row behind it). With less than a third of the lease left (the batch waited
+    /// for earlier marks) the lease is extended first; then, for as long as the mark runs,
+    /// whenever two thirds of the lease have passed. Unlike a publish, a mark is never
+    /// stopped: its rows are published, and recording that is what ends their lease.
+    pub(super) async fn keep_lease_while<T>(
+        &self,
+        claim: &Claim,
+        mut lease_end: Instant,
+        mark: impl Future<Output = T>,
+    ) -> T {
+        if !self.repo.extends_leases() || claim.messages.is_empty() {
+            return mark.await;
+        }
+        let ids: Vec<&str> = claim.messages.iter().map(|m| m.id.as_str()).collect();
+        let lease = self.options.lease;
+        // Extends the lease of the rows still held; `None` once none is (all marked or
+        // taken over): nothing is left to keep.
+        let extend = async |lease_end: Instant| -> Option<Instant> {
+            let started = Instant::now();
+            let limit = (lease / 3).max(Duration::from_millis(10));
+            match tokio::time::timeout(limit, self.repo.extend_lease(claim, &ids, lease)).await {
+                Ok(Ok(0)) => None,
+                Ok(Ok(_)) => Some(deadline(started, lease)),
+                Ok(Err(source)) => {
+                    self.extend_failed(source);
+                    Some(lease_end)
+                }
+                Err(_) => {
+                    tracing::warn!("extending the lease of a batch being marked timed out");
+                    Some(lease_end)
+                }
+            }
+        };
+        if lease_end.saturating_duration_since(Instant::now()) < lease / 3 {
+            match extend(lease_end).await {
+                Some(at) => lease_end = at,
+                None => return mark.await,
+            }
+        }
+        let keeper = async {
+            loop {
+                sleep_until(lease_end.checked_sub(lease / 3).unwrap_or(lease_end)).await;
+                match extend(lease_end).await {
+                    Some(at) if at > lease_end => lease_end = at,
+                    // Failed: try again a little later, as long as the mark runs.
+                    Some(_) => tokio::time::sleep((lease / 10).max(Duration::from_millis(10))).await,
+                    None => std::future::pending::<()>().await,
+                }
+            }
+        };
+        let mut mark = std::pin::pin!(mark);
+        tokio::select! {
+            biased;
+            marked = &mut mark => marked,
+            never = keeper => never,
         }
     }
 
