@@ -501,6 +501,51 @@ async fn g10_no_retry_within_the_same_drain_wave() {
     assert_eq!(log[retry].0, None);
 }
 
+/// A row failed elsewhere (by another dispatcher, or an earlier drain) comes due while a
+/// producer's notifies keep one drain going: a later pass of that drain retries it, because
+/// every pass takes a fresh cutoff.
+#[tokio::test(start_paused = true)]
+async fn a_row_failed_elsewhere_is_retried_while_notifies_keep_a_drain_going() {
+    let repo = Arc::new(MemoryOutboxRepository::new());
+    repo.enqueue(&prepared("failed_elsewhere")).unwrap();
+    let claim = repo
+        .claim(ClaimRequest::new(10, Duration::from_secs(30)))
+        .await
+        .unwrap();
+    let retry = trellis_outbox::Failure::retry(
+        "failed_elsewhere",
+        "temporary",
+        Duration::from_millis(100),
+    );
+    repo.mark_failures(&claim, &[retry]).await.unwrap();
+    let publisher = RecordingPublisher::new();
+    publisher.delay_every_batch(Duration::from_millis(10));
+    let dispatcher = OutboxDispatcher::builder(repo.clone(), publisher.clone())
+        .idle_interval(LONG)
+        .start()
+        .unwrap();
+    // A producer commits a row and notifies every 5 ms: each pass of the drain (at least
+    // one 10 ms publish) sees a notify, so the drain never ends.
+    let started = Instant::now();
+    let mut n = 0;
+    while state(&repo, "failed_elsewhere") != OutboxMessageState::Dispatched
+        && started.elapsed() < Duration::from_secs(3)
+    {
+        repo.enqueue(&prepared(&format!("busy_{n}"))).unwrap();
+        n += 1;
+        dispatcher.notify();
+        sleep(Duration::from_millis(5)).await;
+    }
+    let waited = started.elapsed();
+    dispatcher.shutdown().await;
+    assert_eq!(
+        state(&repo, "failed_elsewhere"),
+        OutboxMessageState::Dispatched,
+        "not retried in {waited:?} of notifies"
+    );
+    assert!(waited < Duration::from_secs(1), "{waited:?}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn g11_retry_after_a_timer_fires_during_a_long_drain() {
     let repo = Arc::new(MemoryOutboxRepository::new());

@@ -393,15 +393,14 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
         loop {
             // Notifies that arrived before this pass are served by it.
             while self.wake.try_recv().is_ok() {}
-            // A failed row came due during the drain: this pass gets a fresh cutoff, so it
-            // is retried (spec §A.5: retryDue).
-            let cutoff = if wave.retry_at.is_some_and(|at| at <= Instant::now()) {
-                None
-            } else {
-                wave.cutoff
-            };
+            // Every pass takes a fresh cutoff (its first claim's `now()`); within a pass the
+            // cutoff stays, so a row failed in it is not retried in it. Upstream keeps one
+            // cutoff for the whole drain and renews it only when a row this dispatcher failed
+            // comes due (spec §A.5, `retryDue`): while notifies kept a drain going, rows
+            // failed by other dispatchers or earlier drains, and rows whose lease ran out
+            // (their `next_attempt_at` follows the lease), waited for the drain to end.
             wave = Wave {
-                cutoff,
+                cutoff: None,
                 retry_at: wave.retry_at.filter(|at| *at > Instant::now()),
                 ..Wave::default()
             };
