@@ -324,6 +324,65 @@ async fn sqlite_a_transaction_that_outlived_its_lease_publishes_once() {
     a_transaction_that_outlived_its_lease_publishes_once(db.pool.clone()).await;
 }
 
+/// A handoff whose lease could not be kept (it ended before the commit, and one of its rows
+/// is held by another claim now) is released, not published: the lane wakes the drains,
+/// which claim the released rows at once, not at the next idle poll.
+async fn a_released_handoff_is_claimed_at_once<DB: OutboxDatabase>(pool: Pool<DB>)
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    migrate(&pool).await.unwrap();
+    let publisher = RecordingPublisher::new();
+    let dispatcher =
+        OutboxDispatcher::builder(SqlOutboxRepository::new(pool.clone()), publisher.clone())
+            .lease(Duration::from_millis(300))
+            .idle_interval(HOUR)
+            .start()
+            .unwrap();
+    sleep(Duration::from_millis(100)).await;
+    let records: Vec<_> = (0..4).map(|n| record(900 + n)).collect();
+    let mut tx = dispatcher.handle().begin(&pool).await.unwrap();
+    for r in &records {
+        tx.enqueue(r).await.unwrap();
+    }
+    // One row is another claim's now (its lease ended too), and the handoff's lease ends
+    // before the commit: the lane cannot extend it, so it releases the batch.
+    let other = records[0].id.clone();
+    sqlx::query("UPDATE trellis_outbox SET claim_token = 'another-claim' WHERE id = $1")
+        .bind(other)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sleep(Duration::from_millis(400)).await;
+    tx.commit().await.unwrap();
+    let ids: Vec<&str> = records.iter().map(|r| r.id.as_str()).collect();
+    let start = Instant::now();
+    while !ids.iter().all(|id| publishes(&publisher).contains_key(*id)) {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "released rows not claimed: {:?}",
+            publishes(&publisher)
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+    dispatcher.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_released_handoff_is_claimed_at_once() {
+    let db = TestPg::new().await;
+    a_released_handoff_is_claimed_at_once(db.pool.clone()).await;
+    db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_released_handoff_is_claimed_at_once() {
+    let db = TestSqlite::new().await;
+    a_released_handoff_is_claimed_at_once(db.pool.clone()).await;
+}
+
 /// Stores `done` dispatched (by a one-shot drain) and `waiting` pending, then starts a
 /// dispatcher whose drains wait for the returned gate (so `waiting` stays unclaimed) while
 /// its handoff lane runs.

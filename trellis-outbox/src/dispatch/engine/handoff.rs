@@ -98,8 +98,10 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             ::metrics::histogram!(metrics::HANDED_OVER_ROWS).record(leased.claim.len() as f64);
             let span = batch_span(&leased.claim);
             let published = beside_marks(self.publish(leased, span), &mut marks, settle).await;
-            // Not published (the lease could not be kept): released, nothing to mark.
+            // Not published (the lease could not be kept): released, nothing to mark. The
+            // rows are claimable at once, and no commit will announce them: wake the drains.
             if published.results.is_none() {
+                let _ = wake.try_send(());
                 continue;
             }
             let rows_unmarked = match &mut unmarked {
