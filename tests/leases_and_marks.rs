@@ -101,6 +101,8 @@ struct Faulty {
     hang_extend: AtomicBool,
     /// Calls of `purge_dispatched`, which never returns (a huge backlog being deleted).
     purges: AtomicUsize,
+    /// Purges that ended (the never-ending ones can only be dropped).
+    purges_ended: AtomicUsize,
     /// `next_due_in` and `backlog` never return (a slow server).
     hang_reads: AtomicBool,
     /// How long `mark_dispatched` takes, in milliseconds (a slow commit).
@@ -121,9 +123,19 @@ impl Faulty {
             answer_unasked: AtomicBool::new(false),
             hang_extend: AtomicBool::new(false),
             purges: AtomicUsize::new(0),
+            purges_ended: AtomicUsize::new(0),
             hang_reads: AtomicBool::new(false),
             slow_marks: AtomicU64::new(0),
         })
+    }
+}
+
+/// Counts itself in its counter when dropped.
+struct Counted<'a>(&'a AtomicUsize);
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
     }
 }
 
@@ -206,6 +218,7 @@ impl OutboxRepository for Faulty {
         _batch: usize,
     ) -> trellis_outbox::Result<u64> {
         self.purges.fetch_add(1, Ordering::SeqCst);
+        let _running = Counted(&self.purges_ended);
         std::future::pending().await
     }
 
@@ -360,6 +373,8 @@ async fn a_purge_that_never_ends_holds_up_neither_drains_nor_shutdown() {
     tokio::time::timeout(Duration::from_secs(5), dispatcher.shutdown())
         .await
         .expect("shutdown does not wait for the purge");
+    // … nor leaves it running.
+    assert!(eventually(|| repo.purges_ended.load(Ordering::SeqCst) == 1).await);
 }
 
 /// `ids` in a memory repository behind a `Faulty` with the fault `flag` picks switched on,

@@ -19,8 +19,8 @@ pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 /// fraction) and never above `max_delay`. Once a row has failed `max_attempts` times it is
 /// moved to `dead` instead of being retried.
 ///
-/// Defaults: 1 s doubling up to 5 min, ±20 % jitter, 25 attempts (about 1 h 40 min of
-/// retries in total).
+/// Defaults: 1 s doubling up to 5 min, ±20 % jitter, 25 attempts (24 retries over about
+/// 1 h 24 min: 511 s doubling, then 15 × 5 min).
 ///
 /// The setters never panic. Out-of-range values are clamped, each by the rule on its setter:
 /// delays are at least [`MIN_RETRY_DELAY`], the multiplier is at least 1, the jitter is

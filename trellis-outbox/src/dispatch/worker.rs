@@ -199,8 +199,11 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
                         let mut asking = tokio::spawn(async move { next_due_in(&*repo).await });
                         let due = tokio::select! {
                             biased;
-                            // Shutdown does not wait for a slow query.
-                            () = self.cancel.cancelled() => break,
+                            // Shutdown does not wait for a slow query (nor leaves it running).
+                            () = self.cancel.cancelled() => {
+                                asking.abort();
+                                break;
+                            }
                             // Committed meanwhile: drain now (unless notifies are debounced);
                             // the query ends on its own, its answer stale. The timer is armed
                             // after that drain.
@@ -223,6 +226,10 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
             if self.wait(retry_at, errors > 0).await == Wake::Stop {
                 break;
             }
+        }
+        // A purge still running does not outlive the dispatcher (its pool connection would).
+        if let Some(purge) = self.retention.as_mut().and_then(|r| r.running.take()) {
+            purge.abort();
         }
         tracing::debug!("outbox dispatcher stopped");
     }

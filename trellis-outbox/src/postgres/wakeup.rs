@@ -124,8 +124,11 @@ impl PgWakeups {
     /// Stops listening and waits for the listener task to end.
     pub async fn stop(mut self) {
         let _ = self.stop.send(true);
-        if let Some(task) = self.task.take() {
-            let _ = task.await;
+        if let Some(task) = self.task.take()
+            && let Err(error) = task.await
+            && error.is_panic()
+        {
+            tracing::error!(%error, "the outbox wake-up listener task panicked");
         }
     }
 }
