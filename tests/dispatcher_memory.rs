@@ -512,11 +512,8 @@ async fn a_row_failed_elsewhere_is_retried_while_notifies_keep_a_drain_going() {
         .claim(ClaimRequest::new(10, Duration::from_secs(30)))
         .await
         .unwrap();
-    let retry = trellis_outbox::Failure::retry(
-        "failed_elsewhere",
-        "temporary",
-        Duration::from_millis(100),
-    );
+    let retry =
+        trellis_outbox::Failure::retry("failed_elsewhere", "temporary", Duration::from_millis(100));
     repo.mark_failures(&claim, &[retry]).await.unwrap();
     let publisher = RecordingPublisher::new();
     publisher.delay_every_batch(Duration::from_millis(10));

@@ -201,7 +201,9 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 match extend(lease_end).await {
                     Some(at) if at > lease_end => lease_end = at,
                     // Failed: try again a little later, as long as the mark runs.
-                    Some(_) => tokio::time::sleep((lease / 10).max(Duration::from_millis(10))).await,
+                    Some(_) => {
+                        tokio::time::sleep((lease / 10).max(Duration::from_millis(10))).await
+                    }
                     None => std::future::pending::<()>().await,
                 }
             }
