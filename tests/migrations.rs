@@ -607,3 +607,136 @@ async fn postgres_legacy_0_10_table_is_upgraded() {
     );
     db.close().await;
 }
+
+/// Postgres folds unquoted names to lower case: `Mixed_Outbox` is the table `mixed_outbox`.
+/// A 0.10 table under it is found and upgraded, and the other spelling finds the record.
+#[tokio::test]
+async fn pg_mixed_case_names_are_one_table() {
+    let db = TestPg::new().await;
+    for statement in [LEGACY_0_10[1].0, LEGACY_0_10[1].1] {
+        let statement = statement.replace("trellis_outbox", "mixed_outbox");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    let mixed = OutboxTables::new("Mixed_Outbox", "Mixed_Inbox").unwrap();
+    let report = migrate_with(&db.pool, &mixed).await.unwrap();
+    assert!(report.upgraded_from_0_10, "{report:?}");
+    assert_eq!(report.applied.len(), 6);
+    let lower = OutboxTables::new("mixed_outbox", "mixed_inbox").unwrap();
+    let again = migrate_with(&db.pool, &lower).await.unwrap();
+    assert!(again.applied.is_empty(), "{again:?}");
+    assert_eq!(again.already_applied.len(), 6);
+    let outbox = trellis_outbox::Outbox::new(mixed);
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .enqueue(
+            &mut tx,
+            &trellis_outbox::PreparedOutboxRecord::event("A.B", "events.v1.A.B", &1).unwrap(),
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM mixed_outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 2);
+    db.close().await;
+}
+
+/// SQLite compares table names without case: the second spelling finds the first's record
+/// instead of applying version 2's `ADD COLUMN`s again.
+#[tokio::test]
+async fn sqlite_mixed_case_names_share_their_record() {
+    let db = TestSqlite::new().await;
+    let mixed = OutboxTables::new("Mixed_Outbox", "Mixed_Inbox").unwrap();
+    assert_eq!(
+        migrate_with(&db.pool, &mixed).await.unwrap().applied.len(),
+        6
+    );
+    let lower = OutboxTables::new("mixed_outbox", "mixed_inbox").unwrap();
+    let again = migrate_with(&db.pool, &lower).await.unwrap();
+    assert!(again.applied.is_empty(), "{again:?}");
+}
+
+/// Tables set up from `migration_script` (pasted into another tool, which records nothing
+/// here) can be migrated later: SQLite has no `ADD COLUMN IF NOT EXISTS`, so the runner
+/// skips the columns that are there. Postgres' versions are idempotent.
+#[tokio::test]
+async fn sqlite_tables_from_the_script_can_be_migrated() {
+    let db = TestSqlite::new().await;
+    let script = trellis_outbox::migration_script(Dialect::Sqlite, &OutboxTables::default());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(script))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let report = migrate(&db.pool).await.unwrap();
+    assert_eq!(report.applied.len(), 6, "{report:?}");
+    assert!(migrate(&db.pool).await.unwrap().applied.is_empty());
+}
+
+#[tokio::test]
+async fn pg_tables_from_the_script_can_be_migrated() {
+    let db = TestPg::new().await;
+    let script = trellis_outbox::migration_script(Dialect::Postgres, &OutboxTables::default());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(script))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let report = migrate(&db.pool).await.unwrap();
+    assert_eq!(report.applied.len(), 6, "{report:?}");
+    db.close().await;
+}
+
+/// A migration recorded by a newer version is reported (and logged), not an error.
+#[tokio::test]
+async fn sqlite_a_newer_schema_is_reported() {
+    let db = TestSqlite::new().await;
+    migrate(&db.pool).await.unwrap();
+    sqlx::query(
+        "INSERT INTO trellis_outbox_migrations VALUES \
+         ('trellis_outbox', 99, 'trellis_sql_outbox_inbox_sqlite_v99', 'fnv1a64:0', '2026-01-01')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let report = migrate(&db.pool).await.unwrap();
+    assert!(report.applied.is_empty());
+    assert_eq!(report.unknown, ["trellis_sql_outbox_inbox_sqlite_v99"]);
+}
+
+/// An application role without CREATE on the schema (Postgres 15's default on `public`) can
+/// call `migrate` once the schema is migrated: nothing is created then.
+#[tokio::test]
+async fn pg_migrate_needs_no_create_privilege_when_nothing_is_pending() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let role = format!("{}_app", db.name).to_ascii_lowercase();
+    for statement in [
+        format!("CREATE ROLE {role} LOGIN"),
+        "REVOKE CREATE ON SCHEMA public FROM PUBLIC".to_owned(),
+        format!("GRANT SELECT, INSERT ON trellis_outbox_migrations TO {role}"),
+        format!("GRANT SELECT ON trellis_outbox TO {role}"),
+    ] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    let app = sqlx::PgPool::connect_with(db.options.clone().username(&role))
+        .await
+        .unwrap();
+    let outcome = migrate(&app).await;
+    app.close().await;
+    for statement in [format!("DROP OWNED BY {role}"), format!("DROP ROLE {role}")] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    let report = outcome.unwrap();
+    assert!(report.applied.is_empty() && report.already_applied.len() == 6);
+    db.close().await;
+}

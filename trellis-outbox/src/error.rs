@@ -59,6 +59,20 @@ pub enum Error {
         limit: usize,
     },
 
+    /// A table name is a valid identifier that cannot name the table: a word SQL reserves
+    /// (`order`, `user`, …), or the name of the other table or of the migrations bookkeeping
+    /// table (compared without case, as the databases compare unquoted names).
+    #[error("SQL {kind} table name \"{name}\" cannot be used: it {reason}")]
+    TableNameUnusable {
+        /// Which of the two tables was named.
+        kind: TableKind,
+        /// The rejected name, as given.
+        name: String,
+        /// Why: `is a reserved SQL word`, `is the outbox table's name too`, or `is the
+        /// migrations bookkeeping table's name`.
+        reason: &'static str,
+    },
+
     /// An outbox record was rejected before any SQL was sent.
     #[error("invalid outbox record {id:?}: `{field}` {problem}")]
     InvalidRecord {

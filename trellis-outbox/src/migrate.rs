@@ -185,6 +185,11 @@ pub struct MigrationReport {
     /// and upgraded in place before version 1 was recorded: `event` renamed to `name`,
     /// `kind` added (`event.publish` for every existing row) and `outcome` added.
     pub upgraded_from_0_10: bool,
+    /// Ids of migrations the database has recorded that this version of trellis-outbox does
+    /// not know: a newer version migrated the tables. Nothing fails (an older version may
+    /// run beside a newer one during a deploy, or after a rollback), but a caller that must
+    /// not run on a newer schema can check this.
+    pub unknown: Vec<String>,
 }
 
 /// Applies pending migrations to the default tables. See [`migrate_with`].
@@ -247,8 +252,22 @@ pub async fn migrate_with<DB: OutboxDatabase>(
             report.upgraded_from_0_10 = true;
         }
     }
-    for m in plan(migrations(DB::DIALECT, tables), recorded, &mut report)? {
+    for m in plan(
+        migrations(DB::DIALECT, tables),
+        tables,
+        recorded,
+        &mut report,
+    )? {
         for statement in &m.up {
+            if let Some((table, column)) = added_column(DB::DIALECT, statement) {
+                let present = DB::fetch_names(&mut tx, DB::COLUMNS, table)
+                    .await
+                    .map_err(migrate_error(&m.id))?;
+                if present.iter().any(|c| c.eq_ignore_ascii_case(column)) {
+                    // Applied already, without a record (say by `migration_script`).
+                    continue;
+                }
+            }
             DB::run_ddl(&mut tx, statement)
                 .await
                 .map_err(migrate_error(&m.id))?;
@@ -268,16 +287,44 @@ pub async fn migrate_with<DB: OutboxDatabase>(
     Ok(report)
 }
 
+/// The table and column of a SQLite `ALTER TABLE <table> ADD COLUMN <column> …` statement.
+///
+/// SQLite has no `ADD COLUMN IF NOT EXISTS` (Postgres' versions use it): the runner skips such
+/// a statement when the column is there already, so a schema set up from
+/// [`migration_script`], which records nothing, can still be migrated.
+fn added_column(dialect: Dialect, statement: &str) -> Option<(&str, &str)> {
+    if dialect != Dialect::Sqlite {
+        return None;
+    }
+    let mut words = statement.strip_prefix("ALTER TABLE ")?.split_whitespace();
+    let table = words.next()?;
+    (words.next()? == "ADD" && words.next()? == "COLUMN").then_some(())?;
+    Some((table, words.next()?))
+}
+
 /// Checks what the database recorded against `migrations` and returns the ones still to apply.
+///
+/// `recorded` holds `(version, id, checksum, outbox table)`: the table as it was spelled
+/// when the version was recorded. Names are compared without case (the databases fold
+/// unquoted names), but a checksum covers the statements' text, spelling included: a
+/// version recorded under another spelling only counts as applied, its checksum unchecked.
 pub(crate) fn plan(
     migrations: Vec<SqlOutboxMigration>,
-    recorded: Vec<(i64, String, String)>,
+    tables: &OutboxTables,
+    recorded: Vec<(i64, String, String, String)>,
     report: &mut MigrationReport,
 ) -> Result<Vec<SqlOutboxMigration>> {
     let mut pending = Vec::new();
     for m in migrations {
-        match recorded.iter().find(|(v, ..)| *v == i64::from(m.version)) {
-            Some((_, _, recorded_checksum)) if *recorded_checksum != m.checksum => {
+        let version = |(v, ..): &&(i64, String, String, String)| *v == i64::from(m.version);
+        let same = recorded
+            .iter()
+            .filter(version)
+            .find(|(.., spelling)| spelling == tables.outbox());
+        match same.or_else(|| recorded.iter().find(version)) {
+            Some((_, _, recorded_checksum, spelling))
+                if spelling == tables.outbox() && *recorded_checksum != m.checksum =>
+            {
                 return Err(crate::Error::ChecksumMismatch {
                     id: m.id,
                     version: m.version,
@@ -289,8 +336,9 @@ pub(crate) fn plan(
             None => pending.push(m),
         }
     }
-    for (version, id, _) in &recorded {
-        if !report.already_applied.contains(id) {
+    for (version, id, ..) in &recorded {
+        if !report.already_applied.contains(id) && !report.unknown.contains(id) {
+            report.unknown.push(id.clone());
             tracing::warn!(
                 version,
                 id,

@@ -234,8 +234,11 @@ pub(crate) fn statement(text: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
 }
 
 /// The wake-up channel of an outbox table.
+///
+/// In lower case: Postgres folds the unquoted table name to lower case, so `Orders_Outbox` and
+/// `orders_outbox` are one table, and their writers and listeners must share one channel.
 pub(crate) fn notify_channel(tables: &OutboxTables) -> String {
-    format!("{}_wakeup", tables.outbox())
+    format!("{}_wakeup", tables.outbox().to_ascii_lowercase())
 }
 
 /// The statements of one schema version in one dialect: [`Schema`] writes them,

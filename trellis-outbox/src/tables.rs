@@ -126,6 +126,15 @@ impl OutboxTables {
         let inbox = inbox.into();
         validate_identifier(TableKind::Outbox, &outbox)?;
         validate_identifier(TableKind::Inbox, &inbox)?;
+        usable(TableKind::Outbox, &outbox)?;
+        usable(TableKind::Inbox, &inbox)?;
+        if inbox.eq_ignore_ascii_case(&outbox) {
+            return Err(Error::TableNameUnusable {
+                kind: TableKind::Inbox,
+                name: inbox,
+                reason: "is the outbox table's name too",
+            });
+        }
         let outbox_derived = Self::OUTBOX_SUFFIXES
             .iter()
             .map(|suffix| format!("{outbox}{suffix}"));
@@ -174,6 +183,128 @@ fn validate_identifier(kind: TableKind, name: &str) -> Result<()> {
             name: name.to_owned(),
         })
     }
+}
+
+/// PostgreSQL's reserved key words (those that cannot name a table, including the ones that
+/// can name a function or type), in lower case. Most are reserved in SQLite too.
+const RESERVED: [&str; 101] = [
+    "all",
+    "analyse",
+    "analyze",
+    "and",
+    "any",
+    "array",
+    "as",
+    "asc",
+    "asymmetric",
+    "authorization",
+    "binary",
+    "both",
+    "case",
+    "cast",
+    "check",
+    "collate",
+    "collation",
+    "column",
+    "concurrently",
+    "constraint",
+    "create",
+    "cross",
+    "current_catalog",
+    "current_date",
+    "current_role",
+    "current_schema",
+    "current_time",
+    "current_timestamp",
+    "current_user",
+    "default",
+    "deferrable",
+    "desc",
+    "distinct",
+    "do",
+    "else",
+    "end",
+    "except",
+    "false",
+    "fetch",
+    "for",
+    "foreign",
+    "freeze",
+    "from",
+    "full",
+    "grant",
+    "group",
+    "having",
+    "ilike",
+    "in",
+    "initially",
+    "inner",
+    "intersect",
+    "into",
+    "is",
+    "isnull",
+    "join",
+    "lateral",
+    "leading",
+    "left",
+    "like",
+    "limit",
+    "localtime",
+    "localtimestamp",
+    "natural",
+    "not",
+    "notnull",
+    "null",
+    "offset",
+    "on",
+    "only",
+    "or",
+    "order",
+    "outer",
+    "overlaps",
+    "placing",
+    "primary",
+    "references",
+    "returning",
+    "right",
+    "select",
+    "session_user",
+    "similar",
+    "some",
+    "symmetric",
+    "system_user",
+    "table",
+    "tablesample",
+    "then",
+    "to",
+    "trailing",
+    "true",
+    "union",
+    "unique",
+    "user",
+    "using",
+    "variadic",
+    "verbose",
+    "when",
+    "where",
+    "window",
+    "with",
+];
+
+/// Refuses a name SQL reserves, and the migrations bookkeeping table's.
+fn usable(kind: TableKind, name: &str) -> Result<()> {
+    let reason = if RESERVED.iter().any(|word| word.eq_ignore_ascii_case(name)) {
+        "is a reserved SQL word"
+    } else if crate::migrate::MIGRATIONS_TABLE.eq_ignore_ascii_case(name) {
+        "is the migrations bookkeeping table's name"
+    } else {
+        return Ok(());
+    };
+    Err(Error::TableNameUnusable {
+        kind,
+        name: name.to_owned(),
+        reason,
+    })
 }
 
 /// Refuses `name` when one of `identifiers` (the name and those derived from it) is longer
@@ -234,6 +365,50 @@ mod tests {
     }
 
     #[test]
+    fn refuses_reserved_words_and_names_taken() {
+        for (outbox, inbox, kind, reason) in [
+            (
+                "order",
+                "inbox",
+                TableKind::Outbox,
+                "is a reserved SQL word",
+            ),
+            ("outbox", "User", TableKind::Inbox, "is a reserved SQL word"),
+            (
+                "events",
+                "events",
+                TableKind::Inbox,
+                "is the outbox table's name too",
+            ),
+            (
+                "Events",
+                "events",
+                TableKind::Inbox,
+                "is the outbox table's name too",
+            ),
+            (
+                "trellis_outbox_migrations",
+                "inbox",
+                TableKind::Outbox,
+                "is the migrations bookkeeping table's name",
+            ),
+        ] {
+            let err = OutboxTables::new(outbox, inbox).unwrap_err();
+            assert!(
+                matches!(&err, Error::TableNameUnusable { kind: k, reason: r, .. } if *k == kind && *r == reason),
+                "{outbox}, {inbox}: {err:?}"
+            );
+        }
+        let err = OutboxTables::new("order", "inbox").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "SQL outbox table name \"order\" cannot be used: it is a reserved SQL word"
+        );
+        // Words that are only keywords in some positions are fine.
+        assert!(OutboxTables::new("event", "message").is_ok());
+    }
+
+    #[test]
     fn refuses_names_whose_derived_identifiers_exceed_63_bytes() {
         // 57: `<outbox>_wakeup` is 64 bytes (every enqueue's NOTIFY would fail).
         let err = OutboxTables::new("a".repeat(57), "inbox").unwrap_err();
@@ -289,7 +464,8 @@ mod tests {
     #[test]
     fn accepts_identifiers() {
         for good in ["a", "_", "A_1", "trellis_outbox", "_x9"] {
-            OutboxTables::new(good, good).unwrap();
+            OutboxTables::new(good, "inbox").unwrap();
+            OutboxTables::new("outbox", good).unwrap();
         }
     }
 }

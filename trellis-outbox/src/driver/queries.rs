@@ -56,6 +56,7 @@ macro_rules! queries {
             for<'q> f64: Encode<'q, DB> + Type<DB>,
             for<'r> Option<f64>: Decode<'r, DB> + Type<DB>,
             for<'r> (i64, String, String): sqlx::FromRow<'r, DB::Row>,
+            for<'r> (i64, String, String, String): sqlx::FromRow<'r, DB::Row>,
             for<'r> (String, i64, Option<f64>): sqlx::FromRow<'r, DB::Row>,
             for<'r> (i64, Option<f64>): sqlx::FromRow<'r, DB::Row>,
             for<'r> String: Decode<'r, DB> + Type<DB>,
@@ -178,12 +179,12 @@ queries! {
         sqlx::query(statement(sql)).bind(id).fetch_optional(&mut *conn).await
     }
 
-    /// `(version, id, checksum)` of the migrations `sql` reads for `outbox`.
+    /// `(version, id, checksum, outbox table)` of the migrations `sql` reads for `outbox`.
     fn fetch_migrations<'a>(
         tx: &'a mut Transaction<'static, Self>,
         sql: &'static str,
         outbox: &'a str,
-    ) -> sqlx::Result<Vec<(i64, String, String)>> {
+    ) -> sqlx::Result<Vec<(i64, String, String, String)>> {
         sqlx::query_as(sql).bind(outbox).fetch_all(&mut **tx).await
     }
 

@@ -168,11 +168,17 @@ impl Backend for Postgres {
 }
 
 impl MigrationBackend for Postgres {
-    const BOOKKEEPING: &'static str = "CREATE TABLE IF NOT EXISTS trellis_outbox_migrations (outbox_table text NOT NULL, version integer NOT NULL, id text NOT NULL, checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (outbox_table, version))";
-    const RECORDED: &'static str =
-        "SELECT version::int8, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = $1";
+    /// Created only when missing: `CREATE TABLE IF NOT EXISTS` checks the CREATE privilege
+    /// on the schema even when the table exists, which an application role without it
+    /// (Postgres 15's default on `public`) lacks.
+    const BOOKKEEPING: &'static str = "DO $$ BEGIN IF to_regclass('trellis_outbox_migrations') IS NULL THEN \
+         CREATE TABLE trellis_outbox_migrations (outbox_table text NOT NULL, version integer NOT NULL, id text NOT NULL, checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (outbox_table, version)); \
+         END IF; END $$";
+    /// Table names are compared in lower case, as Postgres folds the unquoted names.
+    const RECORDED: &'static str = "SELECT version::int8, id, checksum, outbox_table FROM trellis_outbox_migrations \
+         WHERE lower(outbox_table) = lower($1)";
     const COLUMNS: &'static str = "SELECT column_name::text FROM information_schema.columns \
-         WHERE table_schema = current_schema() AND table_name = $1";
+         WHERE table_schema = current_schema() AND table_name = lower($1)";
     /// The database's clock writes `applied_at`.
     const RECORD: &'static str = "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum) VALUES ($1, $2, $3, $4)";
 

@@ -168,8 +168,9 @@ impl Backend for Sqlite {
 
 impl MigrationBackend for Sqlite {
     const BOOKKEEPING: &'static str = "CREATE TABLE IF NOT EXISTS trellis_outbox_migrations (outbox_table TEXT NOT NULL, version INTEGER NOT NULL, id TEXT NOT NULL, checksum TEXT NOT NULL, applied_at TEXT NOT NULL, PRIMARY KEY (outbox_table, version))";
-    const RECORDED: &'static str =
-        "SELECT version, id, checksum FROM trellis_outbox_migrations WHERE outbox_table = ?";
+    /// Table names are compared without case, as SQLite compares them.
+    const RECORDED: &'static str = "SELECT version, id, checksum, outbox_table FROM trellis_outbox_migrations \
+         WHERE lower(outbox_table) = lower(?)";
     const COLUMNS: &'static str = "SELECT name FROM pragma_table_info(?)";
     /// SQLite's clock writes `applied_at` ([`format_timestamp`]'s format).
     const RECORD: &'static str = "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum, applied_at) VALUES (?, ?, ?, ?, strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))";
