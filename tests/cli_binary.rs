@@ -249,6 +249,70 @@ async fn errors_are_one_line_and_a_non_zero_exit() {
         no_nats.contains("cannot reach NATS at nats://127.0.0.1:1"),
         "{no_nats}"
     );
+    // Secrets are masked: a NATS password and token, a `password=` parameter, and
+    // environment values in `--help`.
+    for nats in ["nats://u:hunter2@127.0.0.1:1", "nats://hunter2@127.0.0.1:1"] {
+        let masked = failed(&tool(&sqlite_url(&db), nats, &["relay"]), 1);
+        assert!(
+            masked.contains("@127.0.0.1:1") && !masked.contains("hunter2"),
+            "{masked}"
+        );
+    }
+    let pg_password = failed(
+        &tool(
+            "postgres://u@127.0.0.1:1/db?password=hunter2",
+            &nats,
+            &["status"],
+        ),
+        1,
+    );
+    assert!(
+        pg_password.contains("password=***") && !pg_password.contains("hunter2"),
+        "{pg_password}"
+    );
+    let help = ok(&tool(
+        "postgres://u:hunter2@h/db",
+        "nats://u:hunter2@h",
+        &["--help"],
+    ));
+    assert!(!help.contains("hunter2"), "{help}");
+}
+
+/// A `--progress-every` near `u64::MAX` seconds (which humantime accepts; an audit read
+/// tokio's interval as overflowing on it) is capped at a day: the relay runs and stops as
+/// usual, on SQLite.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_relay_with_an_endless_progress_period_runs_and_stops() {
+    let db = TestSqlite::new().await;
+    migrate(&db.pool).await.unwrap();
+    let relay = ChildGuard::new(
+        Command::new(BIN)
+            .args(["relay", "--progress-every", "9300000000000000000s"])
+            .env("DATABASE_URL", sqlite_url(&db))
+            .env("NATS_URL", nats_url())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let status = Command::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let output = tokio::task::spawn_blocking(move || relay.into_inner().wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "stdout: {stdout}\nstderr: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(stdout.trim_end().ends_with("stopped"), "{stdout}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -49,6 +49,7 @@ struct Global {
         long,
         env = "NATS_URL",
         global = true,
+        hide_env_values = true,
         default_value = "nats://127.0.0.1:4222"
     )]
     nats_url: String,
@@ -90,9 +91,14 @@ enum Command {
     /// down gracefully (the batch in flight finishes; rows not attempted are released).
     #[command(after_help = "Example: trellis-outbox relay --progress-every 30s")]
     Relay {
-        /// How often to print a progress line (dispatched, failed, dead, lag).
+        /// How often to print a progress line (dispatched, failed, dead, lag); at least
+        /// 100 ms, at most a day.
         #[arg(long, default_value = "10s", value_parser = duration)]
         progress_every: Duration,
+        /// Run beside upstream Trellis dispatchers on the same table: every claim also
+        /// writes upstream's lease (`next_attempt_at`), so theirs skip rows this relay holds.
+        #[arg(long)]
+        beside_upstream: bool,
     },
     /// List rows in a state, oldest first.
     #[command(after_help = "Example: trellis-outbox list --state dead --name Orders.Shipped")]

@@ -63,18 +63,52 @@ async fn pool<DB: sqlx::Database>(
         .map_err(|e| format!("cannot connect to the database at {}: {e}", redact(url)).into())
 }
 
-/// `url` without its password, for messages.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
+/// `url` without its secrets, for messages: the password of `user:password@`, a NATS URL's
+/// token (`nats://token@host`), and the values of query parameters that carry secrets
+/// (`password`, `sslpassword`, `token`).
+pub(super) fn redact(url: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (url, None),
+    };
+    let mut out = match (base.find("://"), base.rfind('@')) {
         (Some(scheme), Some(at)) if at > scheme => {
-            let credentials = &url[scheme + 3..at];
-            match credentials.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
-                None => url.to_owned(),
-            }
+            let credentials = &base[scheme + 3..at];
+            let kept = match credentials.split_once(':') {
+                Some((user, _)) => format!("{user}:***"),
+                None if ["nats", "tls", "ws"].iter().any(|s| base.starts_with(s)) => {
+                    "***".to_owned()
+                }
+                None => credentials.to_owned(),
+            };
+            format!("{}{kept}{}", &base[..scheme + 3], &base[at..])
         }
-        _ => url.to_owned(),
+        _ => base.to_owned(),
+    };
+    if let Some(query) = query {
+        let parameters: Vec<String> = query
+            .split('&')
+            .map(|parameter| match parameter.split_once('=') {
+                Some((key, _))
+                    if ["password", "sslpassword", "token"]
+                        .iter()
+                        .any(|secret| key.eq_ignore_ascii_case(secret)) =>
+                {
+                    format!("{key}=***")
+                }
+                _ => parameter.to_owned(),
+            })
+            .collect();
+        out.push('?');
+        out.push_str(&parameters.join("&"));
     }
+    out
+}
+
+/// What `relay` was asked to do.
+pub(super) struct Relay {
+    pub(super) progress_every: Duration,
+    pub(super) beside_upstream: bool,
 }
 
 pub(super) async fn execute(
@@ -86,9 +120,17 @@ pub(super) async fn execute(
     let create = matches!(command, Command::Migrate);
     match Database::connect(global.database_url.as_deref(), create).await? {
         Database::Postgres(pool) => {
-            if let Command::Relay { progress_every } = command {
+            if let Command::Relay {
+                progress_every,
+                beside_upstream,
+            } = command
+            {
                 let listen = pool.clone();
-                return super::relay::relay(pool, global, tables, progress_every, out, |builder| {
+                let relay = Relay {
+                    progress_every,
+                    beside_upstream,
+                };
+                return super::relay::relay(pool, global, tables, relay, out, |builder| {
                     builder.listen_postgres(&listen, tables)
                 })
                 .await;
@@ -96,8 +138,16 @@ pub(super) async fn execute(
             on(pool, tables, command, out).await
         }
         Database::Sqlite(pool) => {
-            if let Command::Relay { progress_every } = command {
-                return super::relay::relay(pool, global, tables, progress_every, out, |b| b).await;
+            if let Command::Relay {
+                progress_every,
+                beside_upstream,
+            } = command
+            {
+                let relay = Relay {
+                    progress_every,
+                    beside_upstream,
+                };
+                return super::relay::relay(pool, global, tables, relay, out, |b| b).await;
             }
             on(pool, tables, command, out).await
         }
@@ -270,6 +320,17 @@ mod tests {
             ("postgres://u:secret@h/db", "postgres://u:***@h/db"),
             ("postgres://u@h/db", "postgres://u@h/db"),
             ("sqlite:app.db", "sqlite:app.db"),
+            (
+                "postgres://u@h:1/db?password=hunter2&sslmode=disable",
+                "postgres://u@h:1/db?password=***&sslmode=disable",
+            ),
+            (
+                "postgres://h/db?sslpassword=x",
+                "postgres://h/db?sslpassword=***",
+            ),
+            ("nats://u:hunter2@h:4222", "nats://u:***@h:4222"),
+            ("nats://s3cr3t-token@h:4222", "nats://***@h:4222"),
+            ("nats://h:4222", "nats://h:4222"),
         ] {
             assert_eq!(redact(url), shown, "{url}");
         }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use sqlx::Pool;
 
-use super::ops::seconds;
+use super::ops::{Relay, redact, seconds};
 use super::{CliError, Global};
 use crate::dispatch::{DispatcherBuilder, OutboxDispatcher};
 use crate::driver::OutboxDatabase;
@@ -15,14 +15,19 @@ use crate::tables::OutboxTables;
 
 type Builder<DB> = DispatcherBuilder<SqlOutboxRepository<DB>, JetStreamPublisher>;
 
+/// The longest `--progress-every`: tokio's interval adds its period to instants, so a
+/// period near `u64::MAX` seconds is not handed to it.
+const MAX_PROGRESS_EVERY: Duration = Duration::from_secs(86_400);
+
 pub(super) async fn relay<DB: OutboxDatabase>(
     pool: Pool<DB>,
     global: &Global,
     tables: &OutboxTables,
-    progress_every: Duration,
+    relay: Relay,
     out: &mut dyn Write,
     configure: impl FnOnce(Builder<DB>) -> Builder<DB>,
 ) -> Result<(), CliError> {
+    let nats_url = redact(&global.nats_url);
     let nats = async_nats::ConnectOptions::new()
         .connection_timeout(Duration::from_secs(5))
         .max_reconnects(None)
@@ -30,14 +35,12 @@ pub(super) async fn relay<DB: OutboxDatabase>(
     // Fail fast when the server is not there at all, then keep reconnecting while running.
     let client = tokio::time::timeout(Duration::from_secs(5), nats.connect(&global.nats_url))
         .await
-        .map_err(|_| {
-            format!(
-                "cannot reach NATS at {}: no answer within 5 s",
-                global.nats_url
-            )
-        })?
-        .map_err(|e| format!("cannot reach NATS at {}: {e}", global.nats_url))?;
-    let repo = SqlOutboxRepository::with_tables(pool.clone(), tables);
+        .map_err(|_| format!("cannot reach NATS at {nats_url}: no answer within 5 s"))?
+        .map_err(|e| format!("cannot reach NATS at {nats_url}: {e}"))?;
+    let mut repo = SqlOutboxRepository::with_tables(pool.clone(), tables);
+    if relay.beside_upstream {
+        repo = repo.beside_upstream();
+    }
     let publisher = JetStreamPublisher::builder(async_nats::jetstream::new(client)).build();
     let dispatcher: OutboxDispatcher = configure(
         OutboxDispatcher::builder(repo, publisher).on_error(|error| {
@@ -48,65 +51,108 @@ pub(super) async fn relay<DB: OutboxDatabase>(
     .start()?;
     let status = SqlOutboxRepository::with_tables(pool, tables);
     let terminal = std::io::stdout().is_terminal();
-    let mut ticks = tokio::time::interval(progress_every.max(Duration::from_millis(100)));
-    let stop = stop_signal()?;
-    tokio::pin!(stop);
+    let period = relay
+        .progress_every
+        .clamp(Duration::from_millis(100), MAX_PROGRESS_EVERY);
+    let mut ticks = tokio::time::interval(period);
+    // A status query slower than the period is not followed by another at once.
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut signals = Signals::new()?;
     let mut first = None;
+    // Output that cannot be written (`relay | head -1`) stops the relay, gracefully.
+    let mut broken: Option<std::io::Error> = None;
     loop {
         tokio::select! {
-            _ = &mut stop => break,
+            () = signals.next() => break,
             _ = ticks.tick() => {
-                match status.status().await {
-                    Ok(now) => {
-                        let dispatched = now.count("dispatched");
-                        let since = dispatched.saturating_sub(*first.get_or_insert(dispatched));
-                        let line = format!(
-                            "dispatched {dispatched} (+{since} since start)  failed {}  dead {}  undispatched {}  lag {}",
-                            now.count("failed"),
-                            now.count("dead"),
-                            now.undispatched(),
-                            now.oldest_undispatched.map_or_else(|| "none".to_owned(), seconds),
-                        );
-                        if terminal {
-                            write!(out, "\r\x1b[2K{line}")?;
-                        } else {
-                            writeln!(out, "{line}")?;
+                let line = tokio::select! {
+                    () = signals.next() => break,
+                    now = status.status() => match now {
+                        Ok(now) => {
+                            let dispatched = now.count("dispatched");
+                            let since = dispatched.saturating_sub(*first.get_or_insert(dispatched));
+                            format!(
+                                "dispatched {dispatched} (+{since} since start)  failed {}  dead {}  undispatched {}  lag {}",
+                                now.count("failed"),
+                                now.count("dead"),
+                                now.undispatched(),
+                                now.oldest_undispatched.map_or_else(|| "none".to_owned(), seconds),
+                            )
                         }
-                        out.flush()?;
-                    }
-                    Err(e) => eprintln!("relay: status: {}", crate::chain::error_chain(&e)),
+                        Err(e) => {
+                            eprintln!("relay: status: {}", crate::chain::error_chain(&e));
+                            continue;
+                        }
+                    },
+                };
+                let written = if terminal {
+                    write!(out, "\r\x1b[2K{line}")
+                } else {
+                    writeln!(out, "{line}")
+                };
+                if let Err(error) = written.and_then(|()| out.flush()) {
+                    broken = Some(error);
+                    break;
                 }
             }
         }
     }
+    // From here on, output is best effort: the shutdown matters more.
     if terminal {
-        writeln!(out)?;
+        let _ = writeln!(out);
     }
-    writeln!(out, "stopping: finishing the batch in flight")?;
-    out.flush()?;
-    dispatcher.shutdown().await;
-    writeln!(out, "stopped")?;
-    Ok(())
+    let _ = writeln!(
+        out,
+        "stopping: finishing the batch in flight (signal again to stop at once)"
+    );
+    let _ = out.flush();
+    tokio::select! {
+        () = dispatcher.shutdown() => {}
+        () = signals.next() => {
+            return Err("stopped at once by a second signal: rows in flight are published \
+                again after their lease (JetStream drops the duplicates within its window)"
+                .into());
+        }
+    }
+    let _ = writeln!(out, "stopped");
+    match broken {
+        Some(error) => Err(format!("cannot write the progress line: {error}").into()),
+        None => Ok(()),
+    }
 }
 
-/// Resolves at the first SIGINT or SIGTERM.
-fn stop_signal() -> Result<impl std::future::Future<Output = ()>, CliError> {
+/// SIGINT and SIGTERM (Ctrl-C elsewhere), each received as often as it comes.
+struct Signals {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut term = signal(SignalKind::terminate())?;
-        let mut int = signal(SignalKind::interrupt())?;
-        Ok(async move {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
-            }
-        })
+    term: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> Result<Self, CliError> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Ok(Self {
+                term: signal(SignalKind::terminate())?,
+                int: signal(SignalKind::interrupt())?,
+            })
+        }
+        #[cfg(not(unix))]
+        Ok(Self {})
     }
-    #[cfg(not(unix))]
-    {
-        Ok(async {
+
+    /// Resolves at the next signal.
+    async fn next(&mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
+        #[cfg(not(unix))]
+        {
             let _ = tokio::signal::ctrl_c().await;
-        })
+        }
     }
 }
