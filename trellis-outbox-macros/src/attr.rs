@@ -1,8 +1,8 @@
 //! Attribute parsing (darling receivers). Builds a typed model; never generates code.
 
-use darling::ast::{Data, NestedMeta};
+use darling::ast::NestedMeta;
 use darling::util::Flag;
-use darling::{FromDeriveInput, FromField, FromMeta};
+use darling::{FromAttributes, FromField, FromMeta};
 use syn::{Attribute, Expr, Ident, Lit, LitStr, Meta, Type};
 
 /// A string-literal attribute value, with a message naming the key when it is something else.
@@ -50,11 +50,21 @@ impl FromMeta for StrLit {
     }
 }
 
-/// `#[derive(OutboxEvent)]` input: the struct and its `#[outbox(...)]` attribute.
-#[derive(Debug, FromDeriveInput)]
+/// What darling made of an attribute: everything (`complete`), or, when darling refused it,
+/// the keys that are well-formed on their own (the first of each), so validation can go on
+/// and report its own problems in the same compile as darling's.
+#[derive(Debug)]
+pub(crate) struct Parsed<T> {
+    pub(crate) value: T,
+    /// `false` when darling reported errors and `value` was salvaged: a missing key may
+    /// then be a misspelled or malformed one darling already reported.
+    pub(crate) complete: bool,
+}
+
+/// `#[derive(OutboxEvent)]`'s struct-level `#[outbox(...)]` keys.
+#[derive(Debug, Default, FromAttributes)]
 #[darling(attributes(outbox))]
-pub(crate) struct EventInput {
-    pub(crate) data: Data<darling::util::Ignored, EventField>,
+pub(crate) struct EventAttrs {
     /// `name = "Orders.Shipped"` (required).
     pub(crate) name: Option<StrLit>,
     /// `subject = "events.v1.Orders.Shipped.{order_id}"` (required).
@@ -67,6 +77,35 @@ pub(crate) struct EventInput {
     /// `crate = "path"`.
     #[darling(rename = "crate")]
     pub(crate) krate: Option<StrLit>,
+}
+
+impl EventAttrs {
+    /// Parses the struct's `#[outbox(...)]` attributes; darling's errors go to `errors`.
+    pub(crate) fn parse(
+        attrs: &[Attribute],
+        errors: &mut darling::error::Accumulator,
+    ) -> Parsed<Self> {
+        match Self::from_attributes(attrs) {
+            Ok(value) => Parsed {
+                value,
+                complete: true,
+            },
+            Err(error) => {
+                push_all(errors, error);
+                let metas = outbox_metas(attrs);
+                Parsed {
+                    value: Self {
+                        name: salvage_str(&metas, "name"),
+                        subject: salvage_str(&metas, "subject"),
+                        api: salvage_str(&metas, "api"),
+                        ordering: salvage_str(&metas, "ordering"),
+                        krate: salvage_str(&metas, "crate"),
+                    },
+                    complete: false,
+                }
+            }
+        }
+    }
 }
 
 /// A field of an event struct and its `#[outbox(...)]` attribute.
@@ -82,8 +121,28 @@ pub(crate) struct EventField {
     pub(crate) ordering_key: Flag,
 }
 
+impl EventField {
+    /// Parses a field's `#[outbox(...)]` attributes; darling's errors go to `errors`, and a
+    /// field darling refused keeps the flags that are well-formed on their own.
+    pub(crate) fn parse(field: &syn::Field, errors: &mut darling::error::Accumulator) -> Self {
+        match Self::from_field(field) {
+            Ok(parsed) => parsed,
+            Err(error) => {
+                push_all(errors, error);
+                let metas = outbox_metas(&field.attrs);
+                Self {
+                    ident: field.ident.clone(),
+                    ty: field.ty.clone(),
+                    id: salvage_flag(&metas, "id"),
+                    ordering_key: salvage_flag(&metas, "ordering_key"),
+                }
+            }
+        }
+    }
+}
+
 /// `#[outbox_job(...)]` arguments.
-#[derive(Debug, FromMeta)]
+#[derive(Debug, Default, FromMeta)]
 pub(crate) struct JobArgs {
     /// `queue = "syncCustomer"` (required).
     pub(crate) queue: Option<StrLit>,
@@ -99,25 +158,54 @@ pub(crate) struct JobArgs {
 }
 
 impl JobArgs {
-    pub(crate) fn parse(args: proc_macro2::TokenStream) -> darling::Result<Self> {
-        let list = NestedMeta::parse_meta_list(args)?;
-        Self::from_list(&list)
+    /// Parses the arguments; darling's (or syn's) errors go to `errors`.
+    pub(crate) fn parse(
+        args: proc_macro2::TokenStream,
+        errors: &mut darling::error::Accumulator,
+    ) -> Parsed<Self> {
+        let list = match NestedMeta::parse_meta_list(args) {
+            Ok(list) => list,
+            Err(error) => {
+                push_all(errors, error.into());
+                return Parsed {
+                    value: Self::default(),
+                    complete: false,
+                };
+            }
+        };
+        match Self::from_list(&list) {
+            Ok(value) => Parsed {
+                value,
+                complete: true,
+            },
+            Err(error) => {
+                push_all(errors, error);
+                Parsed {
+                    value: Self {
+                        queue: salvage_str(&list, "queue"),
+                        service: salvage_str(&list, "service"),
+                        job_type: salvage_str(&list, "job_type"),
+                        mode: salvage_str(&list, "mode"),
+                        krate: salvage_str(&list, "crate"),
+                    },
+                    complete: false,
+                }
+            }
+        }
     }
 }
 
-/// Best-effort `crate = "path"` lookup for inputs too broken to validate: the stubs emitted
-/// after an error must name the same crate path as a successful expansion would.
-pub(crate) fn find_crate_path(metas: &[NestedMeta]) -> Option<StrLit> {
-    metas.iter().find_map(|meta| match meta {
-        NestedMeta::Meta(meta @ Meta::NameValue(nv)) if nv.path.is_ident("crate") => {
-            StrLit::from_meta(meta).ok()
-        }
-        _ => None,
-    })
+/// Adds each of darling's errors to `errors` on its own (pushing a darling "multiple" error
+/// as is would nest it, and it would print as one message at one span).
+fn push_all(errors: &mut darling::error::Accumulator, error: darling::Error) {
+    for error in error.flatten() {
+        errors.push(error);
+    }
 }
 
-/// [`find_crate_path`] in the `#[outbox(...)]` attributes of a derive input.
-pub(crate) fn find_crate_path_in_attrs(attrs: &[Attribute]) -> Option<StrLit> {
+/// The items of every `#[outbox(...)]` list in `attrs` (others, and lists that do not
+/// parse, are skipped: darling reports those).
+fn outbox_metas(attrs: &[Attribute]) -> Vec<NestedMeta> {
     attrs
         .iter()
         .filter(|a| a.path().is_ident("outbox"))
@@ -125,7 +213,42 @@ pub(crate) fn find_crate_path_in_attrs(attrs: &[Attribute]) -> Option<StrLit> {
             Meta::List(list) => NestedMeta::parse_meta_list(list.tokens.clone()).ok(),
             _ => None,
         })
-        .find_map(|metas| find_crate_path(&metas))
+        .flatten()
+        .collect()
+}
+
+/// The first well-formed `key = "..."` among `metas`.
+fn salvage_str(metas: &[NestedMeta], key: &str) -> Option<StrLit> {
+    metas.iter().find_map(|meta| match meta {
+        NestedMeta::Meta(meta) if meta.path().is_ident(key) => StrLit::from_meta(meta).ok(),
+        _ => None,
+    })
+}
+
+/// The flag `key` at its first mention among `metas`, well-formed (`key`) or not
+/// (`key = ...`, `key(...)`: darling reported that): the user meant to mark the field, so
+/// the cross-field checks treat it as marked rather than report it missing.
+fn salvage_flag(metas: &[NestedMeta], key: &str) -> Flag {
+    metas
+        .iter()
+        .find_map(|meta| match meta {
+            NestedMeta::Meta(meta) if meta.path().is_ident(key) => {
+                Flag::from_meta(&Meta::Path(meta.path().clone())).ok()
+            }
+            _ => None,
+        })
+        .unwrap_or_default()
+}
+
+/// Best-effort `crate = "path"` lookup for inputs too broken to validate: the stubs emitted
+/// after an error must name the same crate path as a successful expansion would.
+pub(crate) fn find_crate_path(metas: &[NestedMeta]) -> Option<StrLit> {
+    salvage_str(metas, "crate")
+}
+
+/// [`find_crate_path`] in the `#[outbox(...)]` attributes of a derive input.
+pub(crate) fn find_crate_path_in_attrs(attrs: &[Attribute]) -> Option<StrLit> {
+    find_crate_path(&outbox_metas(attrs))
 }
 
 /// What serde does with a field when serializing, as far as the payload's keys are concerned.

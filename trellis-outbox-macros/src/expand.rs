@@ -67,6 +67,7 @@ pub(crate) fn outbox_job(args: TokenStream, item: TokenStream) -> TokenStream {
 /// path (" at name") to its messages; the span already shows where, so it is dropped.
 fn compile_errors(error: darling::Error) -> TokenStream {
     error
+        .flatten()
         .into_iter()
         .map(|error| syn::Error::new(error.span(), message(&error)).into_compile_error())
         .collect()
@@ -333,7 +334,10 @@ fn job_impls(job: &Job) -> TokenStream {
     }
 }
 
-/// Impls that keep the rest of the user's crate compiling after a reported error.
+/// Impls that keep the rest of the user's crate compiling after a reported error: every
+/// item a successful expansion adds that user code can name (the inherent constants,
+/// `OUTBOX_DESCRIPTOR` included, and the trait impls), with `unreachable!` bodies. The
+/// trait's `DESCRIPTOR`, `event_id` and `ordering_key` have defaults.
 fn event_stubs(ident: &Ident, vis: &Visibility, generics: &Generics, krate: &Path) -> TokenStream {
     let private = quote!(#krate::__private);
     let (impl_generics, ty_generics, where_clause) = generics.split_for_impl();
@@ -345,6 +349,7 @@ fn event_stubs(ident: &Ident, vis: &Visibility, generics: &Generics, krate: &Pat
             impl #impl_generics #ident #ty_generics #where_clause {
                 #vis const OUTBOX_NAME: &'static str = "";
                 #vis const OUTBOX_SUBJECT: &'static str = "";
+                #vis const OUTBOX_DESCRIPTOR: &'static str = "";
             }
             #[automatically_derived]
             #[allow(unused_qualifications)]
@@ -366,9 +371,20 @@ fn event_stubs(ident: &Ident, vis: &Visibility, generics: &Generics, krate: &Pat
     }
 }
 
+/// The job counterpart of [`event_stubs`]. `OutboxJob` has `Serialize` as a supertrait, so
+/// its stub gets the same `Self: Serialize` bound (generic types) and span (the struct's
+/// name) as the real impl: a struct that does not derive `Serialize` is told so once, as it
+/// would be after the error is fixed.
 fn job_stubs(ident: &Ident, vis: &Visibility, generics: &Generics, krate: &Path) -> TokenStream {
     let private = quote!(#krate::__private);
+    let bounded = bounded(generics, |clause| {
+        clause
+            .predicates
+            .push(syn::parse_quote!(Self: #private::Serialize));
+    });
     let (impl_generics, ty_generics, where_clause) = generics.split_for_impl();
+    let (bounded_impl_generics, _, bounded_where) = bounded.split_for_impl();
+    let job_trait = quote_spanned! {at(ident.span())=> #private::OutboxJob };
     quote! {
         #[doc(hidden)]
         const _: () = {
@@ -377,6 +393,15 @@ fn job_stubs(ident: &Ident, vis: &Visibility, generics: &Generics, krate: &Path)
             impl #impl_generics #ident #ty_generics #where_clause {
                 #vis const OUTBOX_NAME: &'static str = "";
                 #vis const OUTBOX_SUBJECT_PREFIX: &'static str = "";
+            }
+            #[automatically_derived]
+            #[allow(unused_qualifications)]
+            impl #bounded_impl_generics #job_trait for #ident #ty_generics #bounded_where {
+                const QUEUE: &'static str = "";
+                const SERVICE: &'static str = "";
+                const JOB_TYPE: &'static str = "";
+                const SUBJECT_PREFIX: &'static str = "";
+                const MODE: #private::JobMode = #private::JobMode::Create;
             }
             #[automatically_derived]
             #[allow(unused_qualifications)]

@@ -26,12 +26,15 @@ use proc_macro::TokenStream;
 /// # Struct attributes: `#[outbox(...)]`
 ///
 /// - `name = "Orders.Shipped"` (required): the event name, stored as the record's `name`
-///   and available as `OrderShipped::OUTBOX_NAME`.
+///   and available as `OrderShipped::OUTBOX_NAME`. Checked at compile time as enqueue checks
+///   it: not empty, no control characters (and, with `api`, no whitespace).
 /// - `subject = "events.v1.Orders.Shipped.{order_id}"` (required): the subject template,
 ///   available as written as `OrderShipped::OUTBOX_SUBJECT`. A `{field}` token is replaced by
 ///   the field's `Display` output, escaped as Trellis does (`.`, `*`, `>`, `~`, whitespace and
 ///   NUL become `~HEX~`; an empty or `$`-leading value gets a `_` prefix). Literal tokens are
-///   checked at compile time: no whitespace, no empty token, no `*`/`>` wildcard.
+///   checked at compile time by the rules enqueue applies: no whitespace or ASCII control
+///   character, no empty token, no `*`/`>` wildcard, and a first token that neither starts
+///   with `$` (the NATS control plane) nor is `_INBOX` (request replies).
 /// - `api = "orders@v1"` (optional): the Trellis API the event belongs to. The event's
 ///   descriptor identity (`v1.<base64url(api)>.<base64url(name)>.<placeholders>`, the
 ///   parameter count being the number of `{field}` placeholders in the subject) is computed at
@@ -71,7 +74,7 @@ pub fn derive_outbox_event(input: TokenStream) -> TokenStream {
 /// # Arguments
 ///
 /// - `queue = "syncCustomer"` (required): the queue key; the record's `name` and
-///   `SyncCustomer::OUTBOX_NAME`.
+///   `SyncCustomer::OUTBOX_NAME` (not empty, no control characters).
 /// - `service = "billing"` (required) and `job_type = "sync-customer"` (required): each a
 ///   single subject token (checked at compile time); the subject prefix is
 ///   `trellis.jobs.<service>.<job_type>` (`SyncCustomer::OUTBOX_SUBJECT_PREFIX`).

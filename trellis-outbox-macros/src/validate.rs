@@ -1,12 +1,11 @@
 //! Validation: turns parsed attributes into a checked model, reporting every problem at the
 //! user's span. Generates no code.
 
-use darling::FromDeriveInput;
 use proc_macro2::{Span, TokenStream};
 use quote::ToTokens;
 use syn::{Data, DeriveInput, Fields, Generics, Ident, LitStr, Path, Type, Visibility};
 
-use crate::attr::{self, EventInput, JobArgs, SerdeKey, StrLit};
+use crate::attr::{self, EventAttrs, JobArgs, SerdeKey, StrLit};
 
 /// A checked `#[derive(OutboxEvent)]` input.
 #[derive(Debug)]
@@ -108,7 +107,7 @@ fn shape_error(what: &str, input: &DeriveInput, shape: &str) -> darling::Error {
 /// The one named field flagged `#[outbox(<attr>)]` (`flag` reads the flag), if any; every
 /// further one is an error at its flag's span.
 fn marked_field(
-    fields: &[&attr::EventField],
+    fields: &[attr::EventField],
     flag: impl Fn(&attr::EventField) -> &darling::util::Flag,
     attr: &str,
     only_one: &str,
@@ -139,27 +138,31 @@ fn marked_field(
     found
 }
 
-/// Validates a `#[derive(OutboxEvent)]` input.
+/// Validates a `#[derive(OutboxEvent)]` input. When darling refuses an attribute, its errors
+/// are reported together with the problems found in whatever did parse.
 pub(crate) fn event(input: &DeriveInput) -> darling::Result<Event> {
     let mut errors = darling::Error::accumulator();
     let shape = bad_shape(&input.data);
     if let Some(shape) = shape {
         errors.push(shape_error("`#[derive(OutboxEvent)]`", input, shape));
-        if matches!(input.data, Data::Union(_)) {
-            // darling cannot read a union's fields; the shape error says it all.
-            return Err(bail(errors, None));
-        }
     }
-    let parsed = match EventInput::from_derive_input(input) {
-        Ok(parsed) => parsed,
-        Err(error) => return Err(bail(errors, Some(error))),
-    };
+    let attr::Parsed {
+        value: parsed,
+        complete,
+    } = EventAttrs::parse(&input.attrs, &mut errors);
     let krate = crate_path(parsed.krate.as_ref(), &mut errors);
 
-    let fields: Vec<&attr::EventField> = match &parsed.data {
-        darling::ast::Data::Struct(fields) if shape.is_none() => fields.iter().collect(),
+    // Every field is parsed (so each field's attribute errors are reported), but only a
+    // struct with named fields has fields to check the rest against.
+    let parsed_fields: Vec<attr::EventField> = match &input.data {
+        Data::Struct(data) => data
+            .fields
+            .iter()
+            .map(|field| attr::EventField::parse(field, &mut errors))
+            .collect(),
         _ => Vec::new(),
     };
+    let fields: &[attr::EventField] = if shape.is_none() { &parsed_fields } else { &[] };
 
     let has_outbox_attr = input.attrs.iter().any(|a| a.path().is_ident("outbox"));
     if !has_outbox_attr && shape.is_none() {
@@ -170,13 +173,16 @@ pub(crate) fn event(input: &DeriveInput) -> darling::Result<Event> {
             .with_span(&input.ident),
         );
     }
+    // A key missing from an attribute darling refused may be the misspelled or malformed one
+    // it reported: say it is missing only when the attribute parsed.
+    let report_missing = has_outbox_attr && complete;
     let name = match &parsed.name {
         Some(lit) => {
             check_name("name", &lit.0, &mut errors);
             lit.value()
         }
         None => {
-            if has_outbox_attr {
+            if report_missing {
                 errors.push(missing(
                     &input.ident,
                     "name",
@@ -189,12 +195,12 @@ pub(crate) fn event(input: &DeriveInput) -> darling::Result<Event> {
     };
     let (template, subject) = match &parsed.subject {
         Some(lit) if shape.is_none() => {
-            let parts = parse_subject(&lit.0, &input.ident, &fields, &mut errors);
+            let parts = parse_subject(&lit.0, &input.ident, fields, &mut errors);
             (lit.value(), parts)
         }
         Some(lit) => (lit.value(), Vec::new()),
         None => {
-            if has_outbox_attr {
+            if report_missing {
                 errors.push(missing(
                     &input.ident,
                     "subject",
@@ -207,14 +213,14 @@ pub(crate) fn event(input: &DeriveInput) -> darling::Result<Event> {
     };
 
     let id_field = marked_field(
-        &fields,
+        fields,
         |field| &field.id,
         "id",
         "only one field can be the record id",
         &mut errors,
     );
     let ordering_field = marked_field(
-        &fields,
+        fields,
         |field| &field.ordering_key,
         "ordering_key",
         "an event has one ordering key",
@@ -251,6 +257,9 @@ pub(crate) fn event(input: &DeriveInput) -> darling::Result<Event> {
     };
 
     let descriptor = parsed.api.as_ref().and_then(|api| {
+        if let Some(lit) = &parsed.name {
+            check_descriptor_name(&lit.0, &mut errors);
+        }
         let placeholders = subject
             .iter()
             .filter(|part| matches!(part, SubjectPart::Field(_)))
@@ -286,10 +295,10 @@ pub(crate) fn job(args: TokenStream, input: &DeriveInput) -> darling::Result<Job
     if let Some(shape) = shape {
         errors.push(shape_error("`#[outbox_job]`", input, shape));
     }
-    let parsed = match JobArgs::parse(args) {
-        Ok(parsed) => parsed,
-        Err(error) => return Err(bail(errors, Some(error))),
-    };
+    let attr::Parsed {
+        value: parsed,
+        complete,
+    } = JobArgs::parse(args, &mut errors);
     let krate = crate_path(parsed.krate.as_ref(), &mut errors);
 
     let queue = match &parsed.queue {
@@ -298,7 +307,9 @@ pub(crate) fn job(args: TokenStream, input: &DeriveInput) -> darling::Result<Job
             lit.value()
         }
         None => {
-            errors.push(missing_job("queue", "syncCustomer", "the queue name"));
+            if complete {
+                errors.push(missing_job("queue", "syncCustomer", "the queue name"));
+            }
             String::new()
         }
     };
@@ -315,7 +326,10 @@ pub(crate) fn job(args: TokenStream, input: &DeriveInput) -> darling::Result<Job
             lit.value()
         }
         None => {
-            errors.push(missing_job(key, example, what));
+            // As for events: a key darling refused may be the one that looks missing.
+            if complete {
+                errors.push(missing_job(key, example, what));
+            }
             String::new()
         }
     };
@@ -379,17 +393,6 @@ pub(crate) fn job(args: TokenStream, input: &DeriveInput) -> darling::Result<Job
     })
 }
 
-/// Every error recorded so far plus `last`, as one error. Never empty: callers have recorded
-/// at least one error or pass `last`.
-fn bail(errors: darling::error::Accumulator, last: Option<darling::Error>) -> darling::Error {
-    let mut all = errors.into_inner();
-    all.extend(last);
-    if all.is_empty() {
-        all.push(darling::Error::custom("invalid input"));
-    }
-    darling::Error::multiple(all)
-}
-
 fn upper_first(s: &str) -> String {
     let mut chars = s.chars();
     match chars.next() {
@@ -412,17 +415,38 @@ fn missing_job(key: &str, example: &str, what: &str) -> darling::Error {
     .with_span(&Span::call_site())
 }
 
-/// Names (event names, queues): non-empty, no whitespace or control characters.
+/// Names (event names, queues): the runtime's rule (`PreparedOutboxRecord::validate`),
+/// non-empty and no control characters. Whitespace is allowed: Trellis' record `name` is any
+/// string (with `api`, see [`check_descriptor_name`]).
 fn check_name(key: &str, lit: &LitStr, errors: &mut darling::error::Accumulator) {
     let value = lit.value();
     let problem = if value.is_empty() {
-        "must not be empty"
-    } else if value.chars().any(|c| is_js_whitespace(c) || c.is_control()) {
-        "must not contain whitespace or control characters"
+        "must not be empty".to_owned()
+    } else if let Some(c) = value.chars().find(|c| c.is_control()) {
+        format!("must not contain control characters ({c:?})")
     } else {
         return;
     };
     errors.push(darling::Error::custom(format!("`{key}` {problem}")).with_span(lit));
+}
+
+/// With `api`, the event name is also part of the descriptor identity, which the runtime's
+/// `event_descriptor_identity` builds only for names without whitespace (Rust's
+/// `char::is_whitespace`). Control characters and emptiness are [`check_name`]'s to report.
+fn check_descriptor_name(lit: &LitStr, errors: &mut darling::error::Accumulator) {
+    let value = lit.value();
+    if value.chars().any(char::is_control) {
+        return;
+    }
+    if let Some(c) = value.chars().find(|c| c.is_whitespace()) {
+        errors.push(
+            darling::Error::custom(format!(
+                "`name` must not contain whitespace ({c:?}) when `api` is set: the Trellis \
+                 event descriptor identity refuses such names"
+            ))
+            .with_span(lit),
+        );
+    }
 }
 
 /// Whether `c` is in JavaScript's `\s`, the set Trellis escapes (mirrors the runtime crate).
@@ -440,15 +464,24 @@ fn is_js_whitespace(c: char) -> bool {
     )
 }
 
-/// The problem with a literal subject token, if any.
+/// Whether the runtime's `subject_problem` refuses `c` anywhere in a subject: JavaScript
+/// whitespace or an ASCII control character (`char::is_ascii_control`, so C1 controls such
+/// as U+0085 pass, as they do at run time).
+fn is_forbidden_subject_char(c: char) -> bool {
+    is_js_whitespace(c) || c.is_ascii_control()
+}
+
+/// The first token of the reply subjects NATS clients use; the runtime refuses it as a
+/// subject's first token (mirrors `trellis_outbox::subject::INBOX_PREFIX`).
+const INBOX_PREFIX: &str = "_INBOX";
+
+/// The problem with a literal subject token that is not the subject's first (the job
+/// `service` and `job_type`), if any: the runtime's per-token rules.
 fn token_problem(token: &str) -> Option<String> {
     if token.is_empty() {
         return Some("it is empty".into());
     }
-    if let Some(c) = token
-        .chars()
-        .find(|&c| is_js_whitespace(c) || c.is_control())
-    {
+    if let Some(c) = token.chars().find(|&c| is_forbidden_subject_char(c)) {
         return Some(format!(
             "`{token}` contains whitespace or a control character ({c:?})"
         ));
@@ -468,7 +501,7 @@ fn token_problem(token: &str) -> Option<String> {
 fn parse_subject(
     lit: &LitStr,
     ident: &Ident,
-    fields: &[&attr::EventField],
+    fields: &[attr::EventField],
     errors: &mut darling::error::Accumulator,
 ) -> Vec<SubjectPart> {
     let template = lit.value();
@@ -532,10 +565,7 @@ fn parse_subject(
             error(format!(
                 "has an empty token at position {position} (a leading, trailing or doubled `.`)"
             ));
-        } else if let Some(c) = token
-            .chars()
-            .find(|&c| is_js_whitespace(c) || c.is_control())
-        {
+        } else if let Some(c) = token.chars().find(|&c| is_forbidden_subject_char(c)) {
             error(format!(
                 "contains whitespace or a control character ({c:?}) in token `{token}`"
             ));
@@ -543,6 +573,17 @@ fn parse_subject(
             error(format!(
                 "contains the wildcard token `{token}`; outbox subjects must be literal \
                  (use a `{{field}}` placeholder for a variable token)"
+            ));
+        } else if index == 0 && token.starts_with('$') {
+            error(format!(
+                "starts with the system token `{token}`: `$`-prefixed subjects reach the NATS \
+                 server's control plane (JetStream API, KV, system account), not a stream, \
+                 and every enqueue would fail"
+            ));
+        } else if index == 0 && token == INBOX_PREFIX {
+            error(format!(
+                "starts with `{INBOX_PREFIX}`, the reply namespace where clients receive request \
+                 replies, and every enqueue would fail"
             ));
         }
         literal.push_str(token);

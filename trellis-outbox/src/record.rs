@@ -176,7 +176,7 @@ with_record_content! {
         /// The key this record is published in order with, if any (see [`OrderingKey`]):
         /// records of one key reach the stream in commit order; records without a key are
         /// unordered. Set with [`PreparedOutboxRecord::ordered_by`] or
-        /// `#[outbox(ordering_key = field)]`.
+        /// a field marked `#[outbox(ordering_key)]` (struct policy: `ordering = "block"|"skip_dead"`).
         pub ordering: Option<OrderingKey>,
     }
 }
