@@ -50,6 +50,42 @@ fn failed(output: &Output, code: i32) -> String {
     stderr
 }
 
+/// The relay on `url`, printing progress every `every`; killed by the guard if the test fails
+/// before [`stop_relay`].
+fn spawn_relay(url: &str, every: &str) -> ChildGuard {
+    ChildGuard::new(
+        Command::new(BIN)
+            .args(["relay", "--progress-every", every])
+            .env("DATABASE_URL", url)
+            .env("NATS_URL", nats_url())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+/// Sends the relay SIGTERM, checks that it exits 0, and returns its stdout.
+async fn stop_relay(relay: ChildGuard) -> String {
+    let status = Command::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let output = tokio::task::spawn_blocking(move || relay.into_inner().wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "stdout: {stdout}\nstderr: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
 fn sqlite_url(db: &TestSqlite) -> String {
     format!("sqlite:{}", db.path.display())
 }
@@ -285,33 +321,9 @@ async fn errors_are_one_line_and_a_non_zero_exit() {
 async fn sqlite_relay_with_an_endless_progress_period_runs_and_stops() {
     let db = TestSqlite::new().await;
     migrate(&db.pool).await.unwrap();
-    let relay = ChildGuard::new(
-        Command::new(BIN)
-            .args(["relay", "--progress-every", "9300000000000000000s"])
-            .env("DATABASE_URL", sqlite_url(&db))
-            .env("NATS_URL", nats_url())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
+    let relay = spawn_relay(&sqlite_url(&db), "9300000000000000000s");
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let status = Command::new("kill")
-        .args(["-TERM", &relay.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let output = tokio::task::spawn_blocking(move || relay.into_inner().wait_with_output())
-        .await
-        .unwrap()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert_eq!(
-        output.status.code(),
-        Some(0),
-        "stdout: {stdout}\nstderr: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let stdout = stop_relay(relay).await;
     assert!(stdout.trim_end().ends_with("stopped"), "{stdout}");
 }
 
@@ -333,17 +345,7 @@ async fn postgres_relay_runs_until_sigterm_and_leaves_nothing_claimed() {
         serde_json::from_str(&ok(&tool(&url, &nats_url(), &["status", "--json"]))).unwrap();
     assert_eq!(busy["counts"], json!({"pending": 50}));
 
-    // Killed by the guard if an assertion fails before the SIGTERM below.
-    let relay = ChildGuard::new(
-        Command::new(BIN)
-            .args(["relay", "--progress-every", "200ms"])
-            .env("DATABASE_URL", &url)
-            .env("NATS_URL", nats_url())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
+    let relay = spawn_relay(&url, "200ms");
     let started = Instant::now();
     loop {
         let dispatched: i64 =
@@ -367,22 +369,7 @@ async fn postgres_relay_runs_until_sigterm_and_leaves_nothing_claimed() {
     tx.commit().await.unwrap();
     tokio::time::sleep(Duration::from_millis(600)).await;
 
-    let status = Command::new("kill")
-        .args(["-TERM", &relay.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let output = tokio::task::spawn_blocking(move || relay.into_inner().wait_with_output())
-        .await
-        .unwrap()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert_eq!(
-        output.status.code(),
-        Some(0),
-        "stdout: {stdout}\nstderr: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let stdout = stop_relay(relay).await;
     assert!(
         stdout.contains("dispatched ") && stdout.contains("lag "),
         "{stdout}"

@@ -664,29 +664,31 @@ async fn sqlite_mixed_case_names_share_their_record() {
 /// Tables set up from `migration_script` (pasted into another tool, which records nothing
 /// here) can be migrated later: SQLite has no `ADD COLUMN IF NOT EXISTS`, so the runner
 /// skips the columns that are there. Postgres' versions are idempotent.
+async fn tables_from_the_script_can_be_migrated<DB: trellis_outbox::OutboxDatabase>(
+    pool: &sqlx::Pool<DB>,
+) where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let script = migration_script(DB::DIALECT, &OutboxTables::default());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(script))
+        .execute(pool)
+        .await
+        .unwrap();
+    let report = migrate(pool).await.unwrap();
+    assert_eq!(report.applied.len(), 6, "{report:?}");
+    assert!(migrate(pool).await.unwrap().applied.is_empty());
+}
+
 #[tokio::test]
 async fn sqlite_tables_from_the_script_can_be_migrated() {
     let db = TestSqlite::new().await;
-    let script = trellis_outbox::migration_script(Dialect::Sqlite, &OutboxTables::default());
-    sqlx::raw_sql(sqlx::AssertSqlSafe(script))
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    let report = migrate(&db.pool).await.unwrap();
-    assert_eq!(report.applied.len(), 6, "{report:?}");
-    assert!(migrate(&db.pool).await.unwrap().applied.is_empty());
+    tables_from_the_script_can_be_migrated(&db.pool).await;
 }
 
 #[tokio::test]
 async fn pg_tables_from_the_script_can_be_migrated() {
     let db = TestPg::new().await;
-    let script = trellis_outbox::migration_script(Dialect::Postgres, &OutboxTables::default());
-    sqlx::raw_sql(sqlx::AssertSqlSafe(script))
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    let report = migrate(&db.pool).await.unwrap();
-    assert_eq!(report.applied.len(), 6, "{report:?}");
+    tables_from_the_script_can_be_migrated(&db.pool).await;
     db.close().await;
 }
 
