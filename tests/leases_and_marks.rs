@@ -278,18 +278,7 @@ async fn a_batch_claimed_ahead_keeps_its_lease_while_it_waits_and_publishes() {
     let repo = repo_with(&ids);
     let publisher = RecordingPublisher::new();
     publisher.delay_every_batch(Duration::from_millis(700));
-    let reports = Reports::default();
-    let first = polling_dispatcher(repo.clone(), &publisher, 2, &reports);
-    assert!(eventually(|| repo.is_leased("c")).await);
-    let second = polling_dispatcher(repo.clone(), &publisher, 2, &reports);
-    assert!(eventually(|| all_dispatched(&repo, &ids)).await);
-    sleep(Duration::from_secs(3)).await;
-    first.shutdown().await;
-    second.shutdown().await;
-    for id in ids {
-        assert_eq!(publisher.attempt_count(id), 1, "{id} was published twice");
-    }
-    assert!(reports.all().is_empty(), "{:?}", reports.all());
+    two_dispatchers_publish_each_row_once(repo.clone(), &repo, &publisher, &ids, 2, "c").await;
 }
 
 /// One publish takes 2.5 leases: the lease is extended while it runs.
@@ -299,11 +288,27 @@ async fn a_publish_longer_than_the_lease_keeps_its_lease() {
     let repo = repo_with(&ids);
     let publisher = RecordingPublisher::new();
     publisher.delay_every_batch(Duration::from_millis(2500));
+    two_dispatchers_publish_each_row_once(repo.clone(), &repo, &publisher, &ids, 2, "a").await;
+}
+
+/// Starts a polling dispatcher on `repo` (over `memory`), in batches of `batch`; once it
+/// leases `leased`, a second one polling for rows whose lease ran out. After every row of
+/// `ids` is dispatched (and time for late publishes), each was published once and nothing
+/// was reported.
+async fn two_dispatchers_publish_each_row_once<R: OutboxRepository + Clone>(
+    repo: R,
+    memory: &MemoryOutboxRepository,
+    publisher: &RecordingPublisher,
+    ids: &[&str],
+    batch: usize,
+    leased: &str,
+) {
     let reports = Reports::default();
-    let first = polling_dispatcher(repo.clone(), &publisher, 2, &reports);
-    assert!(eventually(|| repo.is_leased("a")).await);
-    let second = polling_dispatcher(repo.clone(), &publisher, 2, &reports);
-    assert!(eventually(|| all_dispatched(&repo, &ids)).await);
+    let first = polling_dispatcher(repo.clone(), publisher, batch, &reports);
+    assert!(eventually(|| memory.is_leased(leased)).await);
+    let second = polling_dispatcher(repo, publisher, batch, &reports);
+    assert!(eventually(|| all_dispatched(memory, ids)).await);
+    sleep(Duration::from_secs(3)).await;
     first.shutdown().await;
     second.shutdown().await;
     for id in ids {
@@ -320,18 +325,7 @@ async fn slow_marks_publish_each_row_once(ids: &[&str], batch: usize, mark_ms: u
     let repo = Faulty::new(memory.clone());
     repo.slow_marks.store(mark_ms, Ordering::SeqCst);
     let publisher = RecordingPublisher::new();
-    let reports = Reports::default();
-    let first = polling_dispatcher(repo.clone(), &publisher, batch, &reports);
-    assert!(eventually(|| memory.is_leased(ids[0])).await);
-    let second = polling_dispatcher(repo.clone(), &publisher, batch, &reports);
-    assert!(eventually(|| all_dispatched(&memory, ids)).await);
-    sleep(Duration::from_secs(3)).await;
-    first.shutdown().await;
-    second.shutdown().await;
-    for id in ids {
-        assert_eq!(publisher.attempt_count(id), 1, "{id} was published twice");
-    }
-    assert!(reports.all().is_empty(), "{:?}", reports.all());
+    two_dispatchers_publish_each_row_once(repo, &memory, &publisher, ids, batch, ids[0]).await;
 }
 
 /// A mark that takes 2.5 leases keeps the lease of its published rows to its end.
