@@ -465,6 +465,12 @@ fn invalid_records() -> Vec<(PreparedOutboxRecord, &'static str)> {
     let mut r = base.clone();
     r.id = "01ID\r\nNats-Rollup: all".into();
     out.push((r, "id"));
+    // Other control characters in values (tab is allowed).
+    for value in ["a\0b", "\u{1b}[2J", "a\u{7f}"] {
+        let mut r = base.clone();
+        r.headers.insert("X-Ok".into(), value.into());
+        out.push((r, "headers"));
+    }
     // Subjects reaching the server's control plane.
     for subject in [
         "$JS.API.STREAM.DELETE.x",

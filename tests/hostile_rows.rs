@@ -102,6 +102,13 @@ async fn hostile_rows_go_dead_once_and_the_rest_of_the_batch_is_published_once()
                     "\"Nats-Rollup\" is a NATS control header",
                 ),
                 (
+                    "hostile-escape-header",
+                    "event.publish",
+                    good_subject.clone(),
+                    json!({ "X-Note": "\u{1b}[2J" }),
+                    "value of \"X-Note\" contains the control character",
+                ),
+                (
                     "hostile-job-kv",
                     "job.submit",
                     "$KV.jobs.x".to_owned(),

@@ -204,6 +204,61 @@ async fn oversized_payload_is_permanent_and_the_rest_is_delivered() {
         .await;
 }
 
+/// JetStream refuses more than 64 KiB of headers (error 10097) although the message is
+/// well under `max_payload`: no retry can deliver it, so it fails permanently.
+#[tokio::test]
+async fn oversized_headers_are_permanent_and_the_rest_is_delivered() {
+    let js = jetstream().await;
+    let stream = TestStream::events(&js).await;
+    let s = stream.clone();
+    stream
+        .run(async move {
+            let db = sqlite().await;
+            let mut big = event(s.subject("big"), 9);
+            big.headers.insert("X-Big".into(), "h".repeat(70 * 1024));
+            let rows = enqueue(
+                &db,
+                vec![event(s.subject("a"), 0), big, event(s.subject("b"), 1)],
+            )
+            .await;
+            let results = JetStreamPublisher::new(js.clone())
+                .publish_batch(&rows)
+                .await;
+            assert!(results[0].is_ok() && results[2].is_ok());
+            let err = results[1].as_ref().unwrap_err();
+            assert_eq!(js_error(err).kind(), JetStreamErrorKind::HeadersTooLarge);
+            assert!(!err.is_retryable(), "{}", err.chain());
+            assert!(err.chain().contains("headers too large"), "{}", err.chain());
+            assert_eq!(s.count().await, 2);
+        })
+        .await;
+}
+
+/// A window larger than the context's `max_ack_inflight` used to hang: the publisher held
+/// every permit in unawaited acks while waiting for one more.
+#[tokio::test]
+async fn a_window_larger_than_the_contexts_ack_limit_does_not_hang() {
+    let js = jetstream().await;
+    let stream = TestStream::events(&js).await;
+    let s = stream.clone();
+    let context = async_nats::jetstream::ContextBuilder::new()
+        .max_ack_inflight(2)
+        .build(js.client());
+    stream
+        .run(async move {
+            let db = sqlite().await;
+            let rows = enqueue(&db, (0..20).map(|n| event(s.subject("a"), n)).collect()).await;
+            let publisher = JetStreamPublisher::builder(context).ack_window(8).build();
+            let results =
+                tokio::time::timeout(Duration::from_secs(20), publisher.publish_batch(&rows))
+                    .await
+                    .expect("the batch hung waiting for an ack permit");
+            assert_all_ok(&results);
+            assert_eq!(s.count().await, 20);
+        })
+        .await;
+}
+
 #[tokio::test]
 async fn invalid_subject_is_permanent() {
     let js = jetstream().await;

@@ -135,6 +135,34 @@ async fn stored_event_rows_pass_upstreams_restore() {
         Some("kept")
     );
 
+    // Headers upstream sets itself, stored in another letter case, are not sent twice
+    // (upstream's header map is case-sensitive): the row id stays the only `Nats-Msg-Id`.
+    let mut edited = rows[1].clone();
+    for (name, value) in [
+        ("nats-msg-id", "stale-id"),
+        ("trellis-event-time", "2020-01-01T00:00:00Z"),
+        ("PROOF", "forged"),
+    ] {
+        edited.headers.insert(name.to_owned(), value.to_owned());
+    }
+    let headers = prepared_event(&edited).unwrap().publish_headers();
+    for (name, expected) in [
+        ("Nats-Msg-Id", Some(edited.id.as_str())),
+        (
+            "Trellis-Event-Time",
+            Some(edited.headers["Trellis-Event-Time"].as_str()),
+        ),
+        ("proof", None),
+    ] {
+        let values: Vec<&str> = headers
+            .iter()
+            .filter(|(n, _)| n.to_string().eq_ignore_ascii_case(name))
+            .flat_map(|(_, values)| values.iter().map(|v| v.as_str()))
+            .collect();
+        assert_eq!(values, Vec::from_iter(expected), "{name}");
+    }
+    assert_eq!(headers.get("app-header").map(|v| v.as_str()), Some("kept"));
+
     // A message edited by hand (or read from a table another writer filled) with a header
     // NATS cannot carry is an error naming it, not a panic inside the header map.
     for (name, value, expected) in [

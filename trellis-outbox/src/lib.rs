@@ -133,8 +133,8 @@ pub use crate::migrate::{
 pub use crate::nats::{
     DEFAULT_ACK_TIMEOUT, DEFAULT_ACK_WINDOW, DEFAULT_JOB_DISPATCH_TIMEOUT, DEFAULT_JOB_MAX_TRIES,
     JetStreamError, JetStreamErrorKind, JetStreamPublisher, JetStreamPublisherBuilder,
-    JobAdmission, JobDispatcher, JobRef, JobRequest, NoJobDispatcher, StreamCheck,
-    StreamCheckError,
+    JobAdmission, JobDispatcher, JobRef, JobRequest, MAX_QUEUE_DEADLINE, NoJobDispatcher,
+    StreamCheck, StreamCheckError,
 };
 #[cfg(feature = "opentelemetry")]
 pub use crate::otel::{opentelemetry_trace_context, use_opentelemetry_trace_context};

@@ -58,7 +58,7 @@ pub enum ParticipantError {
         header: &'static str,
     },
     /// A stored header NATS cannot carry (a name with a space, `:` or non-ASCII, a value
-    /// with CR or LF) or a `Nats-*` control header.
+    /// with a control character other than tab) or a `Nats-*` control header.
     #[error("outbox row '{id}' has a header that cannot be published: {problem}")]
     InvalidHeader {
         /// The row's id.
@@ -105,19 +105,30 @@ impl ParticipantError {
             | Self::InvalidHeader { .. }
             | Self::Restore { .. } => false,
             Self::Timeout { .. } => true,
-            Self::Publish { source, .. } => matches!(
-                source,
+            Self::Publish { source, .. } => match source {
+                // Upstream turns the JetStream publish error into text; a message too large
+                // for the server or the stream stays too large.
+                TrellisClientError::NatsRequest(text) => !is_oversized(text),
+                TrellisClientError::Nats(err) => !is_oversized(&err.to_string()),
                 TrellisClientError::Io(_)
-                    | TrellisClientError::Nats(_)
-                    | TrellisClientError::NatsConnect(_)
-                    | TrellisClientError::NatsRequest(_)
-                    | TrellisClientError::ServiceUnavailable(_)
-                    | TrellisClientError::AuthorizationUnavailable(_)
-                    | TrellisClientError::TransportUnavailable(_)
-                    | TrellisClientError::Timeout
-            ),
+                | TrellisClientError::NatsConnect(_)
+                | TrellisClientError::ServiceUnavailable(_)
+                | TrellisClientError::AuthorizationUnavailable(_)
+                | TrellisClientError::TransportUnavailable(_)
+                | TrellisClientError::Timeout => true,
+                _ => false,
+            },
         }
     }
+}
+
+/// Whether a NATS publish error's text says the message is too large: the client's
+/// `max payload size exceeded`, or JetStream's error 10054 (message over the stream's
+/// `max_msg_size`) or 10097 (headers over 64 KiB), shown as `error code <n>`.
+fn is_oversized(text: &str) -> bool {
+    text.contains("max payload size exceeded")
+        || text.contains("error code 10054)")
+        || text.contains("error code 10097)")
 }
 
 impl From<ParticipantError> for PublishError {
@@ -129,6 +140,19 @@ impl From<ParticipantError> for PublishError {
         }
     }
 }
+
+/// The headers `trellis-rs` sets on every event it publishes (id, time, descriptor, signing
+/// context and proof); a stored header with one of these names, in any letter case, is not
+/// passed on.
+const UPSTREAM_HEADERS: [&str; 7] = [
+    crate::record::NATS_MSG_ID,
+    TRELLIS_EVENT_TIME,
+    TRELLIS_EVENT_DESCRIPTOR,
+    "authorization-context",
+    "session-key",
+    "Trellis-Session-Event",
+    "proof",
+];
 
 /// A header of `headers` by name, in either case (upstream accepts both on read).
 fn header<'a>(headers: &'a BTreeMap<String, String>, name: &str) -> Option<&'a str> {
@@ -176,7 +200,9 @@ pub fn prepared_event(message: &OutboxMessage) -> Result<PreparedTrellisEvent, P
         source,
     })?;
     // The rest of the row's headers (trace context, application headers) travel along;
-    // upstream overlays its own id, time, descriptor and proof headers on them.
+    // upstream overlays its own id, time, descriptor and proof headers on them. Its header
+    // map is case-sensitive, so a stored `nats-msg-id` or `trellis-event-time` would be sent
+    // next to upstream's own: the headers upstream sets are dropped here in any letter case.
     // `HeaderMap::insert` panics on a name or value NATS cannot carry: check first.
     let mut headers = trellis_nats::HeaderMap::new();
     for (name, value) in &message.headers {
@@ -186,7 +212,12 @@ pub fn prepared_event(message: &OutboxMessage) -> Result<PreparedTrellisEvent, P
                 problem,
             });
         }
-        headers.insert(name.as_str(), value.as_str());
+        if !UPSTREAM_HEADERS
+            .iter()
+            .any(|upstream| upstream.eq_ignore_ascii_case(name))
+        {
+            headers.insert(name.as_str(), value.as_str());
+        }
     }
     Ok(restored.with_headers(headers))
 }
@@ -289,5 +320,43 @@ impl Publisher for TrellisParticipantPublisher {
             self.timeout
                 .saturating_mul(u32::try_from(rounds).unwrap_or(u32::MAX)),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn oversized_publishes_are_permanent_other_nats_failures_retried() {
+        let publish = |source| ParticipantError::Publish {
+            id: "01ID".into(),
+            source,
+        };
+        for text in [
+            "max payload size exceeded",
+            "other: message size exceeds maximum allowed (code 400, error code 10054)",
+            "other: header size exceeds maximum allowed of 64k (code 400, error code 10097)",
+        ] {
+            assert!(
+                !publish(TrellisClientError::NatsRequest(text.into())).is_retryable(),
+                "{text}"
+            );
+            assert!(
+                !publish(TrellisClientError::Nats(text.into())).is_retryable(),
+                "{text}"
+            );
+        }
+        for text in [
+            "timed out",
+            "other: stream store failed (code 503, error code 10077)",
+            "broken pipe",
+        ] {
+            assert!(
+                publish(TrellisClientError::NatsRequest(text.into())).is_retryable(),
+                "{text}"
+            );
+        }
+        assert!(publish(TrellisClientError::Timeout).is_retryable());
     }
 }

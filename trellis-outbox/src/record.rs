@@ -280,7 +280,8 @@ impl PreparedOutboxRecord {
     /// that are empty or not printable ASCII without `:`; NATS control headers (any name
     /// starting with `Nats-`, in any letter case, except `Nats-Msg-Id`: `Nats-Rollup`,
     /// `Nats-Expected-*`, `Nats-TTL`, … can purge or alter a stream); header values
-    /// containing CR or LF. Every kind is checked the same way.
+    /// containing a control character other than tab (CR and LF would end the header line).
+    /// Every kind is checked the same way.
     ///
     /// # Errors
     ///

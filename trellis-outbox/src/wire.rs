@@ -86,11 +86,22 @@ pub(crate) fn header_name_problem(name: &str) -> Option<String> {
         })
 }
 
-/// Checks a header value: no CR or LF (what async-nats' `HeaderValue::from_str` accepts).
+/// Checks a header value: no CR or LF (async-nats' `HeaderValue::from_str` refuses them:
+/// they would end the header line) and no other control character except horizontal tab
+/// (HTTP field values, which NATS headers follow, allow only visible characters, space and
+/// tab; NUL, ESC or DEL reach consumers as garbage or break their parsers).
 pub(crate) fn header_value_problem(name: &str, value: &str) -> Option<String> {
+    if value.contains(['\r', '\n']) {
+        return Some(format!(
+            "value of {name:?} contains a line break (CR or LF)"
+        ));
+    }
     value
-        .contains(['\r', '\n'])
-        .then(|| format!("value of {name:?} contains a line break (CR or LF)"))
+        .chars()
+        .find(|&c| c.is_control() && c != '\t')
+        .map(|c| {
+            format!("value of {name:?} contains the control character {c:?} (only tab is allowed)")
+        })
 }
 
 /// Whether `name` is a NATS/JetStream control header other than `Nats-Msg-Id`: any name
@@ -175,6 +186,16 @@ mod tests {
         for value in ["a\rb", "a\nb", "\r\nNats-Rollup: all"] {
             assert!(header_value_problem("X", value).is_some(), "{value:?}");
             assert!(async_nats::HeaderValue::from_str(value).is_err());
+        }
+        // async-nats would send these; we refuse them like HTTP field values do.
+        for value in ["a\0b", "\u{1b}[31m", "a\u{7f}", "a\u{85}"] {
+            let problem = header_value_problem("X", value);
+            assert!(
+                problem
+                    .as_deref()
+                    .is_some_and(|p| p.contains("control character")),
+                "{value:?}: {problem:?}"
+            );
         }
     }
 

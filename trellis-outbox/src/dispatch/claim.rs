@@ -188,7 +188,8 @@ impl Claim {
     /// Adds one decoded row: to [`Claim::messages`] if it may be sent to NATS, otherwise to
     /// [`Claim::poisoned`] with the reason, whatever its kind. A row whose id (sent as
     /// `Nats-Msg-Id`) holds a control character, whose header name or value could not be
-    /// sent (a CR/LF in a value would end the header block), that carries a NATS control
+    /// sent (a CR/LF in a value would end the header block; other control characters
+    /// except tab are refused too), that carries a NATS control
     /// header such as `Nats-Rollup`, or whose subject is not a literal subject outside the
     /// server's control plane (`$JS.…`, `$KV.…`, `_INBOX.…`) is exactly what enqueue refuses;
     /// written by another writer, it goes dead after one attempt instead of failing its batch.

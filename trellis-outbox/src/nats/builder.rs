@@ -13,6 +13,8 @@ pub const DEFAULT_ACK_WINDOW: usize = 256;
 pub const DEFAULT_ACK_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default for [`JetStreamPublisherBuilder::job_dispatch_timeout`].
 pub const DEFAULT_JOB_DISPATCH_TIMEOUT: Duration = Duration::from_secs(30);
+/// The longest [`JetStreamPublisherBuilder::queue_deadline`]: 100 years (of 365.25 days).
+pub const MAX_QUEUE_DEADLINE: Duration = Duration::from_secs(36_525 * 24 * 60 * 60);
 /// Default `maxTries` of the job `created` event when no per-queue value is configured
 /// (see [`JetStreamPublisherBuilder::job_max_tries`]).
 pub const DEFAULT_JOB_MAX_TRIES: u64 = 5;
@@ -146,9 +148,34 @@ impl<D: JobDispatcher> JetStreamPublisherBuilder<D> {
     /// Gives jobs of `queue` a `deadline` of the row's `created_at` + `after` in their
     /// `created` event (Trellis' binding `defaultDeadlineMs`). Without it the event has no
     /// `deadline`.
+    ///
+    /// `after` is capped at [`MAX_QUEUE_DEADLINE`] (100 years, logged as a warning when
+    /// capped): a longer one could not be written as an RFC 3339 timestamp, and every job row
+    /// of the queue would fail.
+    ///
+    /// ```no_run
+    /// # fn run(context: async_nats::jetstream::Context) {
+    /// use std::time::Duration;
+    ///
+    /// let publisher = trellis_outbox::JetStreamPublisher::builder(context)
+    ///     .queue_deadline("syncCustomer", Duration::from_secs(15 * 60))
+    ///     .build();
+    /// # }
+    /// ```
     pub fn queue_deadline(mut self, queue: impl Into<String>, after: Duration) -> Self {
+        let queue = queue.into();
+        let after = if after > MAX_QUEUE_DEADLINE {
+            tracing::warn!(
+                queue = %queue,
+                requested = ?after,
+                "queue_deadline capped at MAX_QUEUE_DEADLINE (100 years)"
+            );
+            MAX_QUEUE_DEADLINE
+        } else {
+            after
+        };
         if let Some(created) = self.created_event() {
-            created.deadlines.insert(queue.into(), after);
+            created.deadlines.insert(queue, after);
         }
         self
     }
@@ -234,5 +261,28 @@ impl<D: JobDispatcher> JetStreamPublisherBuilder<D> {
             JobRoute::CreatedEvent(settings) => Some(settings),
             JobRoute::Dispatcher(_) | JobRoute::Disabled => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_huge_queue_deadline_is_capped() {
+        let client = async_nats::ConnectOptions::new()
+            .retry_on_initial_connect()
+            .connect("127.0.0.1:1")
+            .await
+            .expect("a lazy client");
+        let publisher = JetStreamPublisher::builder(async_nats::jetstream::new(client))
+            .queue_deadline("a", Duration::MAX)
+            .queue_deadline("b", Duration::from_secs(60))
+            .build();
+        let JobRoute::CreatedEvent(settings) = &publisher.jobs else {
+            panic!("created events expected");
+        };
+        assert_eq!(settings.deadlines["a"], MAX_QUEUE_DEADLINE);
+        assert_eq!(settings.deadlines["b"], Duration::from_secs(60));
     }
 }

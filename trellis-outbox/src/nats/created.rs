@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use serde::Serialize;
+use serde_json::value::RawValue;
 
 use super::job_row::{JobParts, UserPayload, malformed};
 use crate::dispatch::PublishError;
@@ -48,11 +49,11 @@ pub(crate) fn created_event(
         Some(after) => {
             let after = chrono::Duration::from_std(*after)
                 .ok()
-                .and_then(|after| message.created_at.checked_add_signed(after))
+                .and_then(|after| parts.created_at.checked_add_signed(after))
                 .ok_or_else(|| {
                     malformed(
                         message,
-                        format!("a deadline {after:?} after created_at overflows"),
+                        format!("a deadline {after:?} after the submission time overflows"),
                     )
                 })?;
             Some(format_timestamp(after))
@@ -66,25 +67,27 @@ pub(crate) fn created_event(
         event_type: "created",
         state: "pending",
         context: WireContext {
-            request_id: parts.request_id,
-            trace_id: parts.trace_id,
-            traceparent: parts.traceparent,
-            tracestate: parts.tracestate,
+            request_id: &parts.request_id,
+            trace_id: &parts.trace_id,
+            traceparent: &parts.traceparent,
+            tracestate: parts.tracestate.as_deref(),
         },
         tries: 0,
         max_tries,
-        payload: UserPayload(&parts.fields),
+        payload: &parts.payload,
         deadline,
-        timestamp: format_timestamp(message.created_at),
+        trigger: parts.trigger.as_deref(),
+        lineage: parts.lineage.as_deref(),
+        timestamp: format_timestamp(parts.created_at),
     };
     let bytes = serde_json::to_vec(&body)
         .map_err(|e| malformed(message, format!("the event cannot be encoded: {e}")))?;
     let mut headers = async_nats::HeaderMap::new();
     let msg_id = format!("trellis-job-created:{}", parts.submission_id);
     let values = [
-        (REQUEST_ID, Some(parts.request_id)),
-        (TRACEPARENT, Some(parts.traceparent)),
-        (TRACESTATE, parts.tracestate),
+        (REQUEST_ID, Some(parts.request_id.as_ref())),
+        (TRACEPARENT, Some(parts.traceparent.as_ref())),
+        (TRACESTATE, parts.tracestate.as_deref()),
         (NATS_MSG_ID, Some(msg_id.as_str())),
     ];
     for (name, value) in values {
@@ -98,10 +101,13 @@ pub(crate) fn created_event(
     Ok((bytes, headers))
 }
 
-/// A header value, refused (never a panic) when NATS cannot carry it.
+/// A header value, refused (never a panic) when NATS cannot carry it: the rule enqueue and
+/// the claim check apply to stored headers (tab allowed, as W3C `tracestate` may hold it).
 fn header_value(value: &str) -> Result<async_nats::HeaderValue, String> {
-    if value.contains(char::is_control) {
-        return Err(format!("{value:?} contains a control character"));
+    if crate::wire::header_value_problem("", value).is_some() {
+        return Err(format!(
+            "{value:?} contains a control character (only tab is allowed)"
+        ));
     }
     value
         .parse()
@@ -119,9 +125,13 @@ struct CreatedEvent<'a> {
     context: WireContext<'a>,
     tries: u64,
     max_tries: u64,
-    payload: UserPayload<'a>,
+    payload: &'a UserPayload,
     #[serde(skip_serializing_if = "Option::is_none")]
     deadline: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    trigger: Option<&'a RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lineage: Option<&'a RawValue>,
     timestamp: String,
 }
 
@@ -168,6 +178,98 @@ mod tests {
         );
         assert_eq!(headers.get(REQUEST_ID).unwrap().as_str(), "01REQ");
         assert!(headers.get(TRACESTATE).is_none());
+    }
+
+    /// Upstream 0.100 stores a `PreparedJobSubmission` (spec §J.2): the created event's
+    /// payload is its `payload`, not the wrapper, and its context and time are used.
+    #[test]
+    fn a_prepared_submission_row_publishes_its_payload_not_the_wrapper() {
+        let payload = concat!(
+            r#"{"submissionId":"01SUB","mode":"submit","service":"billing","queue":"syncCustomer","#,
+            r#""jobId":"01JOB","payload":{"customerId":"c-1","n":[1,2]},"#,
+            r#""createdAt":"2026-05-25T00:00:05.000Z","#,
+            r#""context":{"requestId":"01CTXREQ","traceId":"0af7651916cd43dd8448eb211c80319c","#,
+            r#""traceparent":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01","tracestate":"v=1"},"#,
+            r#""trigger":{"kind":"rpc","id":"r-1"}}"#
+        );
+        let subject = "trellis.jobs.billing.sync-customer.01JOB.created";
+        let mut settings = CreatedEventSettings::new(3);
+        settings
+            .deadlines
+            .insert("syncCustomer".into(), Duration::from_secs(60));
+
+        // Headers written next to the payload win; the context fills in when they are absent.
+        let with_headers = job_row(payload, subject);
+        let (body, headers) = created_event(&with_headers, &settings).unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            body["payload"],
+            serde_json::json!({"customerId": "c-1", "n": [1, 2]})
+        );
+        assert_eq!(body["context"]["requestId"], "01REQ");
+        assert_eq!(body["timestamp"], "2026-05-25T00:00:05.000Z");
+        assert_eq!(body["deadline"], "2026-05-25T00:01:05.000Z");
+        assert_eq!(
+            body["trigger"],
+            serde_json::json!({"kind": "rpc", "id": "r-1"})
+        );
+        assert!(body.get("lineage").is_none());
+        assert_eq!(headers.get(REQUEST_ID).unwrap().as_str(), "01REQ");
+
+        let mut bare = job_row(payload, subject);
+        bare.headers.clear();
+        let (body, headers) = created_event(&bare, &settings).unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["context"]["requestId"], "01CTXREQ");
+        assert_eq!(
+            body["context"]["traceId"],
+            "0af7651916cd43dd8448eb211c80319c"
+        );
+        assert_eq!(body["context"]["tracestate"], "v=1");
+        assert_eq!(headers.get(REQUEST_ID).unwrap().as_str(), "01CTXREQ");
+        assert_eq!(headers.get(TRACESTATE).unwrap().as_str(), "v=1");
+
+        // A wrapper that contradicts its row is malformed, not guessed at.
+        for (from, to, expected) in [
+            (
+                r#""mode":"submit""#,
+                r#""mode":"create""#,
+                "differs from the row kind",
+            ),
+            (
+                r#""createdAt":"2026-05-25T00:00:05.000Z""#,
+                r#""createdAt":"yesterday""#,
+                "is not RFC 3339",
+            ),
+            (
+                r#""context":{"requestId""#,
+                r#""context":{"other""#,
+                "context is not",
+            ),
+        ] {
+            let mut row = job_row(&payload.replace(from, to), subject);
+            row.headers.clear();
+            let err = created_event(&row, &settings).unwrap_err();
+            assert!(!err.is_retryable());
+            assert!(err.chain().contains(expected), "{}", err.chain());
+        }
+    }
+
+    #[test]
+    fn the_longest_queue_deadline_can_be_written() {
+        let row = job_row(
+            r#"{"jobId":"01JOB","submissionId":"01SUB"}"#,
+            "trellis.jobs.billing.sync.01JOB.created",
+        );
+        let mut settings = CreatedEventSettings::new(5);
+        settings
+            .deadlines
+            .insert("syncCustomer".into(), crate::nats::MAX_QUEUE_DEADLINE);
+        let (body, _) = created_event(&row, &settings).unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        let expected = row.created_at + chrono::Duration::days(36_525);
+        assert_eq!(body["deadline"], format_timestamp(expected));
+        assert!(body["deadline"].as_str().unwrap().starts_with("2126-05-"));
     }
 
     #[test]
@@ -245,6 +347,11 @@ mod tests {
                 err.chain()
             );
         }
+        // W3C tracestate allows tabs around its list members.
+        let mut row = ok();
+        row.headers.insert(TRACESTATE.into(), "a=b,\tc=d".into());
+        let (_, headers) = created_event(&row, &settings).unwrap();
+        assert_eq!(headers.get(TRACESTATE).unwrap().as_str(), "a=b,\tc=d");
         let mut row = job_row(
             r#"{"jobId":"01JOB","submissionId":"01\r\nSUB"}"#,
             "trellis.jobs.billing.sync.01JOB.created",

@@ -24,6 +24,9 @@ pub enum JetStreamErrorKind {
     /// The message is larger than the server's `max_payload` (or the stream's
     /// `max_msg_size`). Permanent.
     MaxPayloadExceeded,
+    /// The message's headers are larger than the stream accepts (JetStream error 10097,
+    /// over 64 KiB of headers). Permanent.
+    HeadersTooLarge,
     /// The subject cannot be published to. Permanent.
     InvalidSubject,
     /// No acknowledgement arrived in time. Retryable.
@@ -124,6 +127,7 @@ impl JetStreamError {
         !matches!(
             self.kind,
             JetStreamErrorKind::MaxPayloadExceeded
+                | JetStreamErrorKind::HeadersTooLarge
                 | JetStreamErrorKind::InvalidSubject
                 | JetStreamErrorKind::MalformedJob
                 | JetStreamErrorKind::InvalidHeader
@@ -163,6 +167,9 @@ impl JetStreamErrorKind {
             }
             Self::MaxPayloadExceeded => {
                 "outbox row {id} is too large to publish to `{subject}`; no retry can deliver it"
+            }
+            Self::HeadersTooLarge => {
+                "outbox row {id} has headers too large for the stream capturing `{subject}` (JetStream allows 64 KiB); no retry can deliver it"
             }
             Self::InvalidSubject => {
                 "outbox row {id} has a subject that cannot be published to: `{subject}`"
@@ -245,12 +252,17 @@ fn classify_other(err: &NatsPublishError) -> JetStreamErrorKind {
         return JetStreamErrorKind::InvalidSubject;
     }
     match source.downcast_ref::<async_nats::jetstream::Error>() {
-        Some(js)
-            if js.error_code()
-                == async_nats::jetstream::ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM =>
-        {
-            JetStreamErrorKind::MaxPayloadExceeded
-        }
+        Some(js) => kind_of_code(js.error_code()),
+        None => JetStreamErrorKind::Other,
+    }
+}
+
+/// The kind of a JetStream API error code returned for a publish.
+fn kind_of_code(code: async_nats::jetstream::ErrorCode) -> JetStreamErrorKind {
+    use async_nats::jetstream::ErrorCode;
+    match code {
+        ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM => JetStreamErrorKind::MaxPayloadExceeded,
+        ErrorCode::STREAM_HEADER_EXCEEDS_MAXIMUM => JetStreamErrorKind::HeadersTooLarge,
         _ => JetStreamErrorKind::Other,
     }
 }
@@ -260,11 +272,12 @@ mod tests {
     use super::*;
     use crate::record::PreparedOutboxRecord;
 
-    const KINDS: [JetStreamErrorKind; 12] = {
+    const KINDS: [JetStreamErrorKind; 13] = {
         use JetStreamErrorKind as K;
         [
             K::StreamNotFound,
             K::MaxPayloadExceeded,
+            K::HeadersTooLarge,
             K::InvalidSubject,
             K::TimedOut,
             K::Disconnected,
@@ -294,5 +307,34 @@ mod tests {
         );
         let text = JetStreamError::new(JetStreamErrorKind::NoJobDispatch, &message).to_string();
         assert!(text.contains("is a `event.publish` record"), "{text}");
+    }
+
+    #[test]
+    fn server_codes_for_oversized_messages_are_permanent() {
+        use async_nats::jetstream::ErrorCode;
+        assert_eq!(
+            kind_of_code(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM),
+            JetStreamErrorKind::MaxPayloadExceeded
+        );
+        assert_eq!(
+            kind_of_code(ErrorCode(10097)),
+            JetStreamErrorKind::HeadersTooLarge
+        );
+        assert_eq!(
+            kind_of_code(ErrorCode::STREAM_STORE_FAILED),
+            JetStreamErrorKind::Other
+        );
+        let record = PreparedOutboxRecord::event("A.Happened", "events.v1.A.Happened", &1).unwrap();
+        let message = OutboxMessage::pending(record, chrono::Utc::now());
+        for kind in [
+            JetStreamErrorKind::MaxPayloadExceeded,
+            JetStreamErrorKind::HeadersTooLarge,
+        ] {
+            assert!(
+                !JetStreamError::new(kind, &message).is_retryable(),
+                "{kind:?}"
+            );
+        }
+        assert!(JetStreamError::new(JetStreamErrorKind::Other, &message).is_retryable());
     }
 }

@@ -20,7 +20,7 @@ impl OutboxMessage {
     ///
     /// A [`JetStreamError`] of kind [`InvalidHeader`](JetStreamErrorKind::InvalidHeader) when
     /// a stored header cannot be sent (a name that is empty or not printable ASCII without
-    /// `:`, a value with CR or LF). Enqueue refuses such headers; a row written by another
+    /// `:`, a value with a control character other than tab). Enqueue refuses such headers; a row written by another
     /// writer may still hold one. Never panics.
     ///
     /// # Examples

@@ -2,7 +2,10 @@
 //! borrowed where possible and with the payload's keys and values kept verbatim. Both the
 //! `created` event and [`JobRequest`](super::JobRequest) are built from these parts.
 
+use std::borrow::Cow;
 use std::fmt;
+
+use chrono::{DateTime, Utc};
 
 use serde::de::{MapAccess, Visitor};
 use serde::ser::SerializeMap;
@@ -29,12 +32,28 @@ pub(super) struct JobParts<'a> {
     pub(super) job_type: &'a str,
     pub(super) job_id: String,
     pub(super) submission_id: String,
-    /// Every top-level payload field, in stored order, values verbatim.
-    pub(super) fields: Vec<(String, Box<RawValue>)>,
-    pub(super) request_id: &'a str,
-    pub(super) traceparent: &'a str,
-    pub(super) trace_id: &'a str,
-    pub(super) tracestate: Option<&'a str>,
+    /// The job's own payload.
+    pub(super) payload: UserPayload,
+    pub(super) request_id: Cow<'a, str>,
+    pub(super) traceparent: Cow<'a, str>,
+    pub(super) trace_id: String,
+    pub(super) tracestate: Option<Cow<'a, str>>,
+    /// When the submission was made: the payload's `createdAt` in the upstream 0.100 shape,
+    /// else the row's `created_at`.
+    pub(super) created_at: DateTime<Utc>,
+    /// Upstream 0.100's optional `trigger` and `lineage`, verbatim.
+    pub(super) trigger: Option<Box<RawValue>>,
+    pub(super) lineage: Option<Box<RawValue>>,
+}
+
+/// The `context` of an upstream 0.100 `PreparedJobSubmission`.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct StoredContext {
+    request_id: String,
+    traceparent: String,
+    #[serde(default)]
+    tracestate: Option<String>,
 }
 
 impl<'a> JobParts<'a> {
@@ -68,20 +87,10 @@ impl<'a> JobParts<'a> {
             ));
         }
 
-        let OrderedObject(fields) = serde_json::from_str(&message.payload)
+        let OrderedObject(mut fields) = serde_json::from_str(&message.payload)
             .map_err(|e| format!("the payload is not a JSON object: {e}"))?;
-        let string_field = |key: &str| -> Result<String, String> {
-            let raw = fields
-                .iter()
-                .rev()
-                .find(|(k, _)| k == key)
-                .map(|(_, v)| v)
-                .ok_or_else(|| format!("the payload has no `{key}`"))?;
-            serde_json::from_str::<String>(raw.get())
-                .map_err(|_| format!("the payload's `{key}` is not a string: {}", raw.get()))
-        };
-        let job_id = string_field("jobId")?;
-        let submission_id = string_field("submissionId")?;
+        let job_id = string_field(&fields, "jobId")?;
+        let submission_id = string_field(&fields, "submissionId")?;
         if job_id != *subject_job_id {
             return Err(format!(
                 "the payload's jobId {job_id:?} differs from the subject's `{subject_job_id}`"
@@ -94,46 +103,138 @@ impl<'a> JobParts<'a> {
         }
 
         let header = |name: &str| message.headers.get(name).map(String::as_str);
-        let request_id = header(REQUEST_ID)
-            .filter(|v| !v.is_empty())
-            .ok_or_else(|| format!("the `{REQUEST_ID}` header is missing"))?;
-        let traceparent =
-            header(TRACEPARENT).ok_or_else(|| format!("the `{TRACEPARENT}` header is missing"))?;
-        if !TraceContext::new(traceparent, None).is_valid() {
-            return Err(format!(
-                "the `{TRACEPARENT}` header {traceparent:?} is not a valid W3C traceparent"
-            ));
-        }
-        let trace_id = traceparent.get(3..35).unwrap_or_default();
-        Ok(Self {
+        let mut parts = Self {
             mode,
             service,
             job_type,
             job_id,
             submission_id,
-            fields,
-            request_id,
-            traceparent,
-            trace_id,
-            tracestate: header(TRACESTATE),
-        })
+            payload: UserPayload::Fields(Vec::new()),
+            request_id: Cow::Borrowed(header(REQUEST_ID).unwrap_or_default()),
+            traceparent: Cow::Borrowed(header(TRACEPARENT).unwrap_or_default()),
+            trace_id: String::new(),
+            tracestate: header(TRACESTATE).map(Cow::Borrowed),
+            created_at: message.created_at,
+            trigger: None,
+            lineage: None,
+        };
+        if is_prepared_submission(&fields) {
+            parts.adopt_prepared_submission(&mut fields)?;
+        } else {
+            fields.retain(|(key, _)| key != "jobId" && key != "submissionId");
+            parts.payload = UserPayload::Fields(fields);
+        }
+
+        if parts.request_id.is_empty() {
+            return Err(format!("the `{REQUEST_ID}` header is missing"));
+        }
+        if header(TRACEPARENT).is_none() && parts.traceparent.is_empty() {
+            return Err(format!("the `{TRACEPARENT}` header is missing"));
+        }
+        if !TraceContext::new(parts.traceparent.as_ref(), None).is_valid() {
+            return Err(format!(
+                "the `{TRACEPARENT}` header {:?} is not a valid W3C traceparent",
+                parts.traceparent
+            ));
+        }
+        parts.trace_id = parts.traceparent.get(3..35).unwrap_or_default().to_owned();
+        Ok(parts)
+    }
+
+    /// Takes the payload, context, time, trigger and lineage of an upstream 0.100
+    /// `PreparedJobSubmission` (spec §J.2). Its context fills in what the row's headers lack
+    /// (upstream writes both; the headers win when both are present).
+    fn adopt_prepared_submission(
+        &mut self,
+        fields: &mut Vec<(String, Box<RawValue>)>,
+    ) -> Result<(), String> {
+        let mode = string_field(fields, "mode")?;
+        if mode != self.mode.as_str() {
+            return Err(format!(
+                "the payload's mode {mode:?} differs from the row kind (`{}`)",
+                self.mode.as_str()
+            ));
+        }
+        let take = |fields: &mut Vec<(String, Box<RawValue>)>, key: &str| {
+            fields
+                .iter()
+                .rposition(|(k, _)| k == key)
+                .map(|at| fields.remove(at).1)
+        };
+        let created_at = string_field(fields, "createdAt")?;
+        self.created_at = DateTime::parse_from_rfc3339(&created_at)
+            .map(|at| at.with_timezone(&Utc))
+            .map_err(|e| format!("the payload's createdAt {created_at:?} is not RFC 3339: {e}"))?;
+        let context = take(fields, "context").ok_or("the payload has no `context`")?;
+        let context: StoredContext = serde_json::from_str(context.get()).map_err(|e| {
+            format!("the payload's context is not {{requestId, traceparent, tracestate?}}: {e}")
+        })?;
+        if self.request_id.is_empty() {
+            self.request_id = Cow::Owned(context.request_id);
+        }
+        if self.traceparent.is_empty() {
+            self.traceparent = Cow::Owned(context.traceparent);
+            if self.tracestate.is_none() {
+                self.tracestate = context.tracestate.map(Cow::Owned);
+            }
+        }
+        self.trigger = take(fields, "trigger");
+        self.lineage = take(fields, "lineage");
+        let payload = take(fields, "payload").ok_or("the payload has no `payload`")?;
+        self.payload = UserPayload::Raw(payload);
+        Ok(())
     }
 }
 
-/// The stored payload without `jobId`/`submissionId`, keys in stored order, values verbatim.
-pub(super) struct UserPayload<'a>(pub(super) &'a [(String, Box<RawValue>)]);
+/// Whether a job row's payload is upstream 0.100's `PreparedJobSubmission`
+/// (`{submissionId, mode, service, queue, jobId, payload, createdAt, context, …}`) rather
+/// than 0.11's `{...payload, jobId, submissionId}`: it has every one of those keys.
+fn is_prepared_submission(fields: &[(String, Box<RawValue>)]) -> bool {
+    [
+        "mode",
+        "service",
+        "queue",
+        "payload",
+        "createdAt",
+        "context",
+    ]
+    .iter()
+    .all(|key| fields.iter().any(|(k, _)| k == key))
+}
 
-impl Serialize for UserPayload<'_> {
+/// The string value of the last `key` of a payload.
+fn string_field(fields: &[(String, Box<RawValue>)], key: &str) -> Result<String, String> {
+    let raw = fields
+        .iter()
+        .rev()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v)
+        .ok_or_else(|| format!("the payload has no `{key}`"))?;
+    serde_json::from_str::<String>(raw.get())
+        .map_err(|_| format!("the payload's `{key}` is not a string: {}", raw.get()))
+}
+
+/// The job's own payload, keys in stored order, values verbatim: the 0.11 row payload
+/// without `jobId`/`submissionId`, or the `payload` of a 0.100 `PreparedJobSubmission`.
+pub(super) enum UserPayload {
+    /// The fields of a 0.11 row.
+    Fields(Vec<(String, Box<RawValue>)>),
+    /// A 0.100 submission's `payload`, any JSON value.
+    Raw(Box<RawValue>),
+}
+
+impl Serialize for UserPayload {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let fields = self
-            .0
-            .iter()
-            .filter(|(key, _)| key != "jobId" && key != "submissionId");
-        let mut map = serializer.serialize_map(None)?;
-        for (key, value) in fields {
-            map.serialize_entry(key, value)?;
+        match self {
+            Self::Fields(fields) => {
+                let mut map = serializer.serialize_map(Some(fields.len()))?;
+                for (key, value) in fields {
+                    map.serialize_entry(key, value)?;
+                }
+                map.end()
+            }
+            Self::Raw(value) => value.serialize(serializer),
         }
-        map.end()
     }
 }
 

@@ -2,13 +2,14 @@
 //! jobs manager and answers with a [`JobAdmission`]; [`JobRequest`] is the decoded row it
 //! reads.
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use super::job_row::{JobParts, UserPayload, malformed};
+use super::job_row::{JobParts, malformed};
 use crate::dispatch::PublishError;
 use crate::event::TraceContext;
 use crate::job::JobMode;
@@ -205,13 +206,15 @@ pub struct JobRequest {
     pub service: String,
     /// The job-type token of the subject.
     pub job_type: String,
-    /// The job's own fields: the stored payload without `jobId` and `submissionId`.
+    /// The job's own payload: the stored payload without `jobId` and `submissionId`, or the
+    /// `payload` field of an upstream 0.100 `PreparedJobSubmission` row.
     pub payload: serde_json::Value,
-    /// The `request-id` header.
+    /// The `request-id` header (or the 0.100 payload's `context.requestId`).
     pub request_id: String,
-    /// The `traceparent` and `tracestate` headers.
+    /// The `traceparent` and `tracestate` headers (or the 0.100 payload's `context`).
     pub trace: TraceContext,
-    /// When the row was enqueued.
+    /// When the job was submitted: a 0.100 row's `createdAt`, else when the row was
+    /// enqueued.
     pub created_at: DateTime<Utc>,
 }
 
@@ -220,13 +223,20 @@ impl JobRequest {
     /// payload a JSON object with string `jobId` (matching the subject) and `submissionId`
     /// (matching the row id), headers `request-id` and a valid `traceparent`.
     ///
+    /// Both stored shapes are read: 0.11's `{...payload, jobId, submissionId}` and upstream
+    /// 0.100's `PreparedJobSubmission` (`{submissionId, mode, service, queue, jobId, payload,
+    /// createdAt, context, trigger?, lineage?}`, spec §J.2), recognized by having all of
+    /// `mode`, `service`, `queue`, `payload`, `createdAt` and `context`. For the latter,
+    /// `mode` must match the row kind, `createdAt` must be RFC 3339, and `context` supplies
+    /// the request id and trace context when the headers lack them.
+    ///
     /// # Errors
     ///
     /// A permanent [`PublishError`] wrapping a [`JetStreamError`](super::JetStreamError) of kind
     /// [`MalformedJob`](super::JetStreamErrorKind::MalformedJob) saying what is wrong.
     pub fn from_message(message: &OutboxMessage) -> Result<Self, PublishError> {
         let parts = JobParts::parse(message).map_err(|problem| malformed(message, problem))?;
-        let payload = serde_json::to_value(UserPayload(&parts.fields))
+        let payload = serde_json::to_value(&parts.payload)
             .map_err(|e| malformed(message, format!("the payload cannot be re-encoded: {e}")))?;
         Ok(Self {
             submission_id: parts.submission_id,
@@ -236,12 +246,12 @@ impl JobRequest {
             service: parts.service.to_owned(),
             job_type: parts.job_type.to_owned(),
             payload,
-            request_id: parts.request_id.to_owned(),
+            request_id: parts.request_id.into_owned(),
             trace: TraceContext::new(
-                parts.traceparent.to_owned(),
-                parts.tracestate.map(str::to_owned),
+                parts.traceparent.into_owned(),
+                parts.tracestate.map(Cow::into_owned),
             ),
-            created_at: message.created_at,
+            created_at: parts.created_at,
         })
     }
 }
@@ -266,6 +276,26 @@ mod tests {
         assert_eq!(
             job.trace.trace_id(),
             Some("4bf92f3577b34da6a3ce929d0e0e4736")
+        );
+    }
+
+    #[test]
+    fn job_request_decodes_a_prepared_submission_row() {
+        let row = job_row(
+            concat!(
+                r#"{"submissionId":"01SUB","mode":"submit","service":"billing","queue":"syncCustomer","#,
+                r#""jobId":"01JOB","payload":[1,"two"],"createdAt":"2026-05-25T00:00:05Z","#,
+                r#""context":{"requestId":"r","traceId":"4bf92f3577b34da6a3ce929d0e0e4736","#,
+                r#""traceparent":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}}"#
+            ),
+            "trellis.jobs.billing.sync-customer.01JOB.created",
+        );
+        let job = JobRequest::from_message(&row).unwrap();
+        assert_eq!(job.payload, serde_json::json!([1, "two"]));
+        assert_eq!(job.request_id, "01REQ", "the header wins over the context");
+        assert_eq!(
+            job.created_at,
+            DateTime::parse_from_rfc3339("2026-05-25T00:00:05Z").unwrap()
         );
     }
 

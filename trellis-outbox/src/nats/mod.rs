@@ -19,7 +19,7 @@ mod streams;
 
 pub use builder::{
     DEFAULT_ACK_TIMEOUT, DEFAULT_ACK_WINDOW, DEFAULT_JOB_DISPATCH_TIMEOUT, DEFAULT_JOB_MAX_TRIES,
-    JetStreamPublisherBuilder,
+    JetStreamPublisherBuilder, MAX_QUEUE_DEADLINE,
 };
 pub use error::{JetStreamError, JetStreamErrorKind};
 pub use jobs::{JobAdmission, JobDispatcher, JobRef, JobRequest, NoJobDispatcher};

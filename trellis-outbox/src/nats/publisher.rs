@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::context::PublishAckFuture;
 use async_nats::jetstream::message::PublishMessage as Publish;
+use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 use tracing::Instrument as _;
 
@@ -19,7 +20,8 @@ use crate::dispatch::{PublishError, Publisher, RetryPolicy};
 use crate::record::{OutboxMessage, OutboxRecordKind};
 use crate::subject::subject_problem;
 
-type BatchResult = Vec<Result<Option<serde_json::Value>, PublishError>>;
+type RowResult = Result<Option<serde_json::Value>, PublishError>;
+type BatchResult = Vec<RowResult>;
 
 /// What the publisher does with `job.create`/`job.submit` rows.
 pub(super) enum JobRoute<D> {
@@ -56,9 +58,11 @@ pub(super) enum JobRoute<D> {
 /// malformed job row are permanent; timeouts, no stream (no responders), a lost connection
 /// and anything else are retryable.
 ///
-/// The async-nats [`Context`](async_nats::jetstream::Context) has its own ack limits: keep its
-/// `max_ack_inflight` (5,000 by default) at or above the window, and note that an ack wait is
-/// bounded by the smaller of [`ack_timeout`](super::JetStreamPublisherBuilder::ack_timeout) and the
+/// The async-nats [`Context`](async_nats::jetstream::Context) has its own ack limits: its
+/// `max_ack_inflight` (5,000 by default, shared by everything publishing through the context)
+/// caps the window in effect — a send that finds no free permit waits while this batch's
+/// oldest acks complete, so a smaller limit slows the batch but never stalls it — and an ack
+/// wait is bounded by the smaller of [`ack_timeout`](super::JetStreamPublisherBuilder::ack_timeout) and the
 /// context's timeout (5 s unless set with `ContextBuilder::timeout`).
 ///
 /// # Examples
@@ -161,7 +165,9 @@ impl<D: JobDispatcher> JetStreamPublisher<D> {
             std::iter::repeat_with(|| None)
                 .take(messages.len())
                 .collect();
-        let mut pending: VecDeque<(usize, Instant, PublishAckFuture, tracing::Span)> =
+        // Acks in send order. Each is a boxed future so the oldest can be polled while a
+        // send waits and be put back, half-polled, when the send wins.
+        let mut pending: VecDeque<(usize, BoxFuture<'_, RowResult>)> =
             VecDeque::with_capacity(self.window.min(messages.len()));
 
         for (index, message) in messages.iter().enumerate() {
@@ -173,32 +179,49 @@ impl<D: JobDispatcher> JetStreamPublisher<D> {
                 }
             };
             while pending.len() >= self.window {
-                if let Some((done, sent, ack, span)) = pending.pop_front() {
-                    results[done] = Some(
-                        self.await_ack(&messages[done], sent, ack)
-                            .instrument(span)
-                            .await,
-                    );
+                if let Some((done, ack)) = pending.pop_front() {
+                    results[done] = Some(ack.await);
                 }
             }
             let sent = Instant::now();
             let span = publish_span(message);
-            match self
+            let send = self
                 .context
                 .send_publish(outgoing.subject, outgoing.publish)
-                .instrument(span.clone())
-                .await
-            {
-                Ok(ack) => pending.push_back((index, sent, ack, span)),
+                .instrument(span.clone());
+            tokio::pin!(send);
+            // With backpressure on (the default), a send waits for one of the context's
+            // `max_ack_inflight` permits, and the unawaited acks of this batch hold permits
+            // until they complete. Resolve acks while the send waits, or a window larger than
+            // the context's limit (or other publishers on a shared context) would hang here.
+            let outcome = loop {
+                let Some((_, oldest)) = pending.front_mut() else {
+                    break send.as_mut().await;
+                };
+                let acked = tokio::select! {
+                    biased;
+                    outcome = send.as_mut() => Err(outcome),
+                    acked = oldest.as_mut() => Ok(acked),
+                };
+                match acked {
+                    Err(outcome) => break outcome,
+                    Ok(acked) => {
+                        if let Some((done, _)) = pending.pop_front() {
+                            results[done] = Some(acked);
+                        }
+                    }
+                }
+            };
+            match outcome {
+                Ok(ack) => pending.push_back((
+                    index,
+                    Box::pin(self.await_ack(message, sent, ack).instrument(span)),
+                )),
                 Err(err) => results[index] = Some(Err(classify(message, err))),
             }
         }
-        while let Some((done, sent, ack, span)) = pending.pop_front() {
-            results[done] = Some(
-                self.await_ack(&messages[done], sent, ack)
-                    .instrument(span)
-                    .await,
-            );
+        while let Some((done, ack)) = pending.pop_front() {
+            results[done] = Some(ack.await);
         }
 
         results
