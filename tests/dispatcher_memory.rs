@@ -597,14 +597,35 @@ async fn g12_background_errors_are_reported_and_backed_off() {
         "outbox repository failed to claim due rows"
     );
     assert_eq!(probe.claims(), 1);
-    // Backing off: notifies do not cause a hot loop of failing claims.
-    for _ in 0..10 {
+    // Backing off (at least 80 ms after the first failure): notifies do not cause a hot
+    // loop of failing claims.
+    for _ in 0..7 {
         dispatcher.notify();
-        sleep(Duration::from_millis(50)).await;
+        sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(probe.claims(), 1);
     sleep(Duration::from_secs(1)).await;
     assert!(probe.claims() >= 2);
+    dispatcher.shutdown().await;
+}
+
+/// The backoff after repository errors is its own (100 ms doubling to 5 s): neither a tiny
+/// retry policy for rows nor a short idle interval makes a failing database hammered.
+#[tokio::test(start_paused = true)]
+async fn repository_errors_back_off_whatever_the_retry_policy_and_idle_interval() {
+    let probe = Probe::new(Arc::new(MemoryOutboxRepository::new()));
+    probe.fail_claims.store(usize::MAX, Ordering::SeqCst);
+    let errors = Errors::default();
+    let dispatcher = OutboxDispatcher::builder(probe.clone(), RecordingPublisher::new())
+        .retry_policy(RetryPolicy::fixed(Duration::from_millis(1)))
+        .idle_interval(Duration::from_millis(10))
+        .on_error(errors.callback())
+        .start()
+        .unwrap();
+    sleep(Duration::from_secs(10)).await;
+    // 100 ms, 200, 400, 800, 1.6 s, 3.2 s, then 5 s (±20 %): about 8 claims in 10 s.
+    let claims = probe.claims();
+    assert!((5..=12).contains(&claims), "{claims} claims in 10 s");
     dispatcher.shutdown().await;
 }
 

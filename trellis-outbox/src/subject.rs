@@ -27,6 +27,10 @@ pub(crate) fn is_js_whitespace(c: char) -> bool {
 /// hexadecimal), and an empty result or one starting with `$` gets a `_` prefix. A value can
 /// therefore never add a token, a wildcard, or reach a `$`-prefixed system subject.
 ///
+/// Beyond Trellis, the other ASCII control characters (U+0001–U+001F, U+007F), which
+/// Trellis leaves in place, are escaped the same way: a subject cannot carry them, so enqueue
+/// would refuse the record. Values without them escape exactly as in Trellis.
+///
 /// # Examples
 ///
 /// ```
@@ -40,9 +44,11 @@ pub(crate) fn is_js_whitespace(c: char) -> bool {
 /// assert_eq!(escape_subject_token("~"), "~7E~");
 /// assert_eq!(escape_subject_token(""), "_");
 /// assert_eq!(escape_subject_token("$x"), "_$x");
+/// assert_eq!(escape_subject_token("a\u{1}b"), "a~1~b");
 /// ```
 pub fn escape_subject_token(value: &str) -> Cow<'_, str> {
-    let needs_escape = |c: char| matches!(c, '\0' | '.' | '*' | '>' | '~') || is_js_whitespace(c);
+    let needs_escape =
+        |c: char| matches!(c, '.' | '*' | '>' | '~') || c.is_ascii_control() || is_js_whitespace(c);
     let escaped: Cow<'_, str> = if value.chars().any(needs_escape) {
         let mut out = String::with_capacity(value.len() + 8);
         for c in value.chars() {
@@ -127,6 +133,13 @@ mod tests {
         assert_eq!(escape_subject_token("ünïcødé"), "ünïcødé");
         assert_eq!(escape_subject_token("$"), "_$");
         assert_eq!(escape_subject_token("x$"), "x$");
+        // Beyond Trellis: ASCII controls a subject cannot carry are escaped, so every
+        // escaped value makes a subject enqueue accepts.
+        assert_eq!(escape_subject_token("a\u{1}b\u{1b}\u{7f}"), "a~1~b~1B~~7F~");
+        for c in (0u8..=0x7f).map(char::from) {
+            let subject = format!("events.{}", escape_subject_token(&c.to_string()));
+            assert_eq!(subject_problem(&subject), None, "{c:?} -> {subject}");
+        }
     }
 
     #[test]

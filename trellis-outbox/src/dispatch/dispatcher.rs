@@ -284,7 +284,8 @@ impl DispatcherHandle {
 /// - Only one claim is ever in flight per dispatcher. Several dispatchers (in one process or
 ///   many) can share a database: leases and fencing tokens keep each row with one of them.
 /// - Errors are logged with `tracing` and passed to [`DispatcherBuilder::on_error`]; a
-///   repository error makes the task back off (the retry policy's schedule) and try again.
+///   repository error makes the task back off (100 ms doubling to 5 s, with jitter,
+///   whatever the rows' retry policy and the idle interval) and try again.
 ///
 /// # Stopping
 ///

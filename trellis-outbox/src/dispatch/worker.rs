@@ -20,7 +20,7 @@ use crate::dispatch::handoff::Handoff;
 use crate::dispatch::options::{DispatchOptions, DispatchReport};
 use crate::dispatch::publisher::Publisher;
 use crate::dispatch::repository::{OutboxRepository, PoisonRow};
-use crate::dispatch::retry::MIN_RETRY_DELAY;
+use crate::dispatch::retry::{MIN_RETRY_DELAY, RetryPolicy};
 
 /// The dispatcher task.
 pub(super) struct Worker<R, P> {
@@ -175,10 +175,7 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
             self.purge_if_due().await;
             self.report_backlog_if_due().await;
             let retry_at = match drained {
-                None => Some(deadline(
-                    Instant::now(),
-                    self.options.retry_policy.delay(errors),
-                )),
+                None => Some(deadline(Instant::now(), repository_backoff(errors))),
                 Some(Drained { claimed, retry_at }) => {
                     let busy = due_asked.filter(|at| claimed > 0 && at.elapsed() < DUE_ASK_EVERY);
                     if let Some(asked) = busy {
@@ -257,7 +254,7 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
                     if *idle_due == 1 {
                         MIN_RETRY_DELAY
                     } else {
-                        self.options.retry_policy.delay(*idle_due - 1)
+                        repository_backoff(*idle_due - 1)
                     }
                 } else {
                     *idle_due = 0;
@@ -268,10 +265,7 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
             Err(error) => {
                 *errors = 1;
                 self.report(&error);
-                Some(deadline(
-                    Instant::now(),
-                    self.options.retry_policy.delay(*errors),
-                ))
+                Some(deadline(Instant::now(), repository_backoff(*errors)))
             }
         }
     }
@@ -434,7 +428,8 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
     }
 
     /// Waits for the next reason to drain: the retry timer, the idle poll, or a notify
-    /// (debounced). Notifies are ignored (kept pending) while backing off after errors.
+    /// (debounced). Notifies and the idle poll are ignored (notifies kept pending) while
+    /// backing off after errors: the backoff alone says when to try again.
     async fn wait(&mut self, retry_at: Option<Instant>, backing_off: bool) -> Wake {
         let mut retry = pin!(async move {
             match retry_at {
@@ -447,7 +442,7 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
             biased;
             () = self.cancel.cancelled() => return Wake::Stop,
             () = &mut retry => return Wake::Drain,
-            () = idle => return Wake::Drain,
+            () = idle, if !backing_off => return Wake::Drain,
             Some(()) = self.wake.recv(), if !backing_off => {}
         }
         if self.timing.debounce.is_zero() {
@@ -469,6 +464,18 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
             }
         }
     }
+}
+
+/// How long to wait after `failures` consecutive repository failures (or drains that found
+/// nothing although a row was said to be due) before trying again: 100 ms doubling to 5 s,
+/// ±20 % jitter, as the wake-up listener backs off. Independent of the rows' retry policy, so
+/// a policy such as `RetryPolicy::fixed(1 ms)` does not hammer a database that is down, and
+/// of `idle_interval`.
+fn repository_backoff(failures: u32) -> Duration {
+    RetryPolicy::new()
+        .initial_delay(Duration::from_millis(100))
+        .max_delay(Duration::from_secs(5))
+        .delay(failures)
 }
 
 /// When the earliest open row is due, as [`OutboxRepository::next_due_in`] says.
