@@ -10,6 +10,7 @@ use crate::dispatch::repository::{
     Backlog, Claim, ClaimRequest, Dispatched, Failure, FailureOutcome, OutboxRepository, PoisonRow,
     RetryOutcome,
 };
+use crate::dispatch::run_limit;
 use crate::error::Result;
 use crate::record::{
     HeadOfLine, OrderingKey, OutboxMessage, OutboxMessageState, ToOutboxRecord, new_id,
@@ -18,8 +19,10 @@ use crate::time::add_saturating;
 
 /// An [`OutboxRepository`] that keeps rows in memory, with the same leases, fencing tokens,
 /// ordering (including per-key ordering: [`OrderingKey`]) and due rules as the SQL
-/// repositories. Meant for users' tests and examples;
-/// nothing is persisted.
+/// repositories. Like the Postgres claim, a claim takes *runs* of a key (its claimable rows
+/// from the head on, up to 1/64 of the limit but at least 16) and the rows behind keyed rows
+/// the caller has published ([`ClaimRequest::published`]), ordered for publishing in rounds.
+/// Meant for users' tests and examples; nothing is persisted.
 ///
 /// # Clock
 ///
@@ -292,37 +295,85 @@ impl OutboxRepository for MemoryOutboxRepository {
         let now = self.now();
         let cutoff = request.cutoff.unwrap_or(now);
         let token = new_id();
+        let published: HashSet<&str> = request.published.iter().map(String::as_str).collect();
+        let run_limit = run_limit(request.limit);
         let mut inner = self.lock();
-        // The keys with an earlier row still holding them back: only a key's head is due.
-        let mut held: HashSet<&str> = HashSet::new();
+        // As the Postgres claim: a key's *run*, its rows that hold it back from the head on,
+        // as long as each is claimable, at most `run_limit` of them. The keys whose run has
+        // ended (a row holding the key back that is not claimable now) and each open key's
+        // run so far.
+        let mut ended: HashSet<&str> = HashSet::new();
+        let mut runs: HashMap<&str, Vec<usize>> = HashMap::new();
+        // Keys in the order their first row was written (the walk's order here).
+        let mut walk: Vec<&str> = Vec::new();
         let mut due: Vec<usize> = Vec::new();
         for (i, row) in inner.rows.iter().enumerate() {
-            let key = row.ordering.as_ref().map(|o| o.key.as_str());
-            let behind = key.is_some_and(|key| held.contains(key));
-            if !behind
-                && row.is_open()
+            let claimable = row.is_open()
                 && row.message.next_attempt_at.is_none_or(|at| at <= cutoff)
-                && row.claimed_until.is_none_or(|until| until <= now)
-            {
-                due.push(i);
+                && row.claimed_until.is_none_or(|until| until <= now);
+            let Some(key) = row.ordering.as_ref().map(|o| o.key.as_str()) else {
+                if claimable {
+                    due.push(i);
+                }
+                continue;
+            };
+            if ended.contains(key) {
+                continue;
             }
-            if let Some(key) = key
-                && row.holds_key()
-            {
-                held.insert(key);
+            // Published rows still being marked count as dispatched.
+            let holds = row.holds_key() && !published.contains(row.message.id.as_str());
+            let run = runs.entry(key).or_insert_with(|| {
+                walk.push(key);
+                Vec::new()
+            });
+            if claimable && run.len() < run_limit {
+                run.push(i);
+            } else if holds {
+                ended.insert(key);
             }
+        }
+        // The runs take at most `limit` rows in all, key by key, as the SQL claim's do:
+        // otherwise runs of keys whose rows were not written in `created_at` order could cut
+        // each other out of every claim.
+        let mut room = request.limit;
+        for key in &walk {
+            let Some(run) = runs.get_mut(key) else {
+                continue;
+            };
+            run.truncate(room);
+            room -= run.len();
+            due.extend_from_slice(run);
         }
         due.sort_by(|&a, &b| {
             let (a, b) = (&inner.rows[a].message, &inner.rows[b].message);
             (a.created_at, &a.id).cmp(&(b.created_at, &b.id))
         });
         due.truncate(request.limit);
+        // A run cut by the limit keeps only the rows before its first row left out.
+        let kept: HashSet<usize> = due.iter().copied().collect();
+        let cut: HashSet<usize> = runs
+            .values()
+            .flat_map(|run| {
+                let first_left = run.iter().position(|i| !kept.contains(i));
+                first_left
+                    .map_or(&run[..0], |at| &run[at..])
+                    .iter()
+                    .copied()
+            })
+            .collect();
+        due.retain(|i| !cut.contains(i));
         let mut claim = Claim::empty(token, cutoff);
         let until = add_saturating(now, request.lease);
+        let mut keys = Vec::new();
         for i in due {
             let row = &mut inner.rows[i];
             row.claimed_until = Some(until);
             row.claim_token = Some(claim.token.clone());
+            if let Some(ordering) = &row.ordering {
+                // Rows are kept in commit order: the index is the key's sequence.
+                let seq = i64::try_from(i).unwrap_or(i64::MAX);
+                keys.push((row.message.id.clone(), ordering.key.clone(), seq));
+            }
             match &row.poison {
                 Some(reason) => claim.poisoned.push(PoisonRow {
                     id: row.message.id.clone(),
@@ -331,6 +382,7 @@ impl OutboxRepository for MemoryOutboxRepository {
                 None => claim.push_message(row.message.clone()),
             }
         }
+        claim.order_runs(keys);
         Ok(claim)
     }
 

@@ -218,12 +218,10 @@ async fn claim_keyed(
     Ok(rows)
 }
 
-/// The most rows of one key a claim of `limit` takes: at least 16, and 1/64 of the limit
-/// (at most the limit). The engine publishes a key's run one row per round, so a claim
-/// spread over many keys publishes in few rounds: with 100 rows waiting per key, runs
-/// without a cap filled a claim of 1,000 from ten keys and took a hundred rounds to publish.
+/// [`crate::dispatch::run_limit`] for the claim's `i64` limit.
 fn run_limit(limit: i64) -> i64 {
-    (limit / 64).max(16).min(limit)
+    let limit = usize::try_from(limit.max(0)).unwrap_or(usize::MAX);
+    i64::try_from(crate::dispatch::run_limit(limit)).unwrap_or(i64::MAX)
 }
 
 /// Where the next key walk starts, given where this one started (`from`) and the keys it

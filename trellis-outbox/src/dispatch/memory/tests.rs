@@ -271,3 +271,65 @@ async fn poisoned_rows_and_release() {
     assert_eq!(ids(&again), ["b"]);
     assert!(again.poisoned.is_empty());
 }
+
+/// As the Postgres claim: a key's run (its claimable rows from the head on) is claimed
+/// together and ordered for publishing in rounds; rows behind a published row still being
+/// marked are claimable; a run cut by the limit keeps only its prefix.
+#[tokio::test(start_paused = true)]
+async fn a_claim_takes_runs_of_keys_in_rounds() {
+    let repo = MemoryOutboxRepository::starting_at(start());
+    for id in ["a1", "a2", "a3"] {
+        repo.enqueue(&record(id).ordered_by("a")).unwrap();
+    }
+    repo.enqueue(&record("b1").ordered_by("b")).unwrap();
+    repo.enqueue(&record("u")).unwrap();
+
+    let claim = repo.claim_due(4, LEASE, None).await.unwrap();
+    // Rounds: the first row of each key (and unkeyed rows), then the second, …
+    assert_eq!(ids(&claim), ["a1", "b1", "a2", "a3"]);
+    assert_eq!(claim.after.get("a2").map(String::as_str), Some("a1"));
+    assert_eq!(claim.after.get("a3").map(String::as_str), Some("a2"));
+    assert!(!claim.after.contains_key("b1"));
+    assert_eq!(ids(&repo.claim_due(10, LEASE, None).await.unwrap()), ["u"]);
+
+    // a4 waits behind a1–a3 (leased) until they are published: then it is claimable
+    // while they are still being marked.
+    repo.enqueue(&record("a4").ordered_by("a")).unwrap();
+    assert!(repo.claim_due(10, LEASE, None).await.unwrap().is_empty());
+    let published: Vec<String> = ["a1", "a2", "a3"].map(String::from).to_vec();
+    let behind = repo
+        .claim(ClaimRequest::new(10, LEASE).published(published))
+        .await
+        .unwrap();
+    assert_eq!(ids(&behind), ["a4"]);
+}
+
+/// Keys whose rows were not written in `created_at`/id order: the runs are capped at the
+/// limit key by key, so they cannot cut each other out of every claim.
+#[tokio::test(start_paused = true)]
+async fn runs_written_out_of_id_order_still_make_progress() {
+    let repo = MemoryOutboxRepository::starting_at(start());
+    // Each key's second row sorts before both first rows: uncapped, the two runs cut each
+    // other out of a claim of 2 every time.
+    for (id, key) in [("kz", "k"), ("ak", "k"), ("jz", "j"), ("bj", "j")] {
+        repo.enqueue(&record(id).ordered_by(key)).unwrap();
+    }
+    let mut order = Vec::new();
+    for _ in 0..4 {
+        let claim = repo.claim_due(2, LEASE, None).await.unwrap();
+        assert!(!claim.is_empty(), "no progress after {order:?}");
+        let dispatched: Vec<Dispatched> = claim
+            .messages
+            .iter()
+            .map(|m| Dispatched::new(m.id.clone()))
+            .collect();
+        order.extend(ids(&claim).iter().map(|id| id.to_string()));
+        repo.mark_dispatched(&claim, &dispatched).await.unwrap();
+        if order.len() == 4 {
+            break;
+        }
+    }
+    // Each key in the order its rows were written.
+    let pos = |id: &str| order.iter().position(|o| o == id).unwrap();
+    assert!(pos("kz") < pos("ak") && pos("jz") < pos("bj"), "{order:?}");
+}
