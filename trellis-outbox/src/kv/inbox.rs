@@ -4,7 +4,7 @@ use async_nats::jetstream::kv::{self, CreateErrorKind};
 
 use super::record::key_of;
 use crate::error::{Error, Result};
-use crate::record::InboxReceipt;
+use crate::record::{InboxReceipt, new_id};
 use crate::time::{format_timestamp, now_millis};
 
 /// An inbox in a NATS KV bucket (upstream's `NatsKvInboxRepository`, spec §E.2): `record(id)`
@@ -54,6 +54,10 @@ impl NatsKvInboxRepository {
     /// Records `message_id`: [`InboxReceipt::Accepted`] the first time,
     /// [`InboxReceipt::Duplicate`] after that.
     ///
+    /// The stored value is upstream's `{messageId, receivedAt}` plus `writer`, a fresh id of
+    /// this call: when the write's acknowledgement is late, async-nats reads the key back, and
+    /// a value this call wrote itself is still `Accepted`, not taken for another consumer's.
+    ///
     /// # Errors
     ///
     /// [`Error::InvalidMessageId`] for an empty id or one with control characters;
@@ -61,23 +65,55 @@ impl NatsKvInboxRepository {
     pub async fn record(&self, message_id: &str) -> Result<InboxReceipt> {
         crate::outbox::check_message_id(message_id)?;
         let key = key_of(message_id);
+        // `writer` tells this call's own write from another's: async-nats' `create` reads the
+        // key back when its write is not acknowledged in time, and then finds the value this
+        // very call stored (the write landed, its acknowledgement was late).
+        let writer = new_id();
         let value = serde_json::json!({
             "messageId": message_id,
             "receivedAt": format_timestamp(now_millis()),
+            "writer": writer,
         });
         let bytes = serde_json::to_vec(&value).map_err(|source| Error::Serialize {
             what: "inbox KV record",
             source,
         })?;
+        let failed = |e: Box<dyn std::error::Error + Send + Sync>, retryable| Error::Kv {
+            operation: "record inbox",
+            key: key.clone(),
+            retryable,
+            source: e,
+        };
         match self.store.create(&key, bytes.into()).await {
             Ok(_) => Ok(InboxReceipt::Accepted),
-            Err(e) if e.kind() == CreateErrorKind::AlreadyExists => Ok(InboxReceipt::Duplicate),
-            Err(e) => Err(Error::Kv {
-                operation: "record inbox",
-                key,
-                retryable: e.kind() != CreateErrorKind::InvalidKey,
-                source: Box::new(e),
-            }),
+            Err(e) if e.kind() == CreateErrorKind::AlreadyExists => {
+                let stored = self
+                    .store
+                    .get(&key)
+                    .await
+                    .map_err(|e| failed(Box::new(e), true))?;
+                Ok(
+                    if stored.as_deref().is_some_and(|v| written_by(v, &writer)) {
+                        InboxReceipt::Accepted
+                    } else {
+                        InboxReceipt::Duplicate
+                    },
+                )
+            }
+            Err(e) => {
+                let retryable = e.kind() != CreateErrorKind::InvalidKey;
+                Err(failed(Box::new(e), retryable))
+            }
         }
     }
+}
+
+/// Whether the stored inbox value `value` was written by the call that generated `writer`.
+fn written_by(value: &[u8], writer: &str) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Stored {
+        writer: Option<String>,
+    }
+    serde_json::from_slice::<Stored>(value)
+        .is_ok_and(|stored| stored.writer.as_deref() == Some(writer))
 }
