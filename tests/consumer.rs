@@ -561,6 +561,76 @@ async fn a_durable_recreated_while_running_is_consumed_again() {
     each_applied_once(h, consumer, 4).await;
 }
 
+/// The durable is recreated with a `max_batch` (4) below the consumer's concurrency (16):
+/// the restarted stream must pull within the new limit. With the limits read at start, the
+/// server refused every pull and the stream was restarted every half second, forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_recreated_with_a_smaller_max_batch_is_consumed_again() {
+    let h = Harness::new().await;
+    let consumer = h.start(None, |_, _| None).await;
+    publish_shipped(&h, 0, 2).await;
+    h.settled().await;
+    recreate_durable(&h.stream, &h.name, 4).await;
+    publish_shipped(&h, 2, 12).await;
+    eventually(
+        Duration::from_secs(30),
+        "the later events to be applied",
+        || async {
+            let mut all = true;
+            for n in 2..12 {
+                all &= h.effects(&format!("evt-{n}")).await == 1;
+            }
+            all
+        },
+    )
+    .await;
+    h.settled().await;
+    each_applied_once(h, consumer, 12).await;
+}
+
+/// Messages in hand that wait for the pool's only connection are kept alive too: with the
+/// handler alone kept alive, they were redelivered (ack wait 2 s) while waiting, and the
+/// copies found the inbox row (duplicates).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_waiting_for_a_connection_are_kept_alive() {
+    let h = Harness::new().await;
+    let pool = trellis_outbox_tests::sqlite_pool(&h.db.path, 1).await;
+    let consumer = Consumer::builder(
+        h.stream.context.clone(),
+        pool,
+        handler_fn(
+            |tx: &mut Transaction<'static, Sqlite>, d: Delivered<Shipped>| {
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO effects (event_id) VALUES (?)")
+                        .bind(&d.id)
+                        .execute(&mut **tx)
+                        .await?;
+                    tokio::time::sleep(Duration::from_millis(1500)).await;
+                    Ok(())
+                })
+            },
+        ),
+    )
+    .bind(&h.stream.name, &h.name)
+    .concurrency(3)
+    .start()
+    .await
+    .unwrap();
+    publish_shipped(&h, 0, 3).await;
+    eventually(Duration::from_secs(30), "three events applied", || async {
+        consumer.report().applied == 3
+    })
+    .await;
+    h.settled().await;
+    let report = consumer.shutdown().await.unwrap();
+    assert_eq!(report.duplicates, 0, "{report:?}");
+    assert_eq!(report.redelivered, 0, "{report:?}");
+    for n in 0..3 {
+        assert_eq!(h.effects(&format!("evt-{n}")).await, 1);
+    }
+    h.end().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_failing_twice_then_succeeding_applies_once() {
     let h = Harness::new().await;

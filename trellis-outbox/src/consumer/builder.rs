@@ -232,8 +232,9 @@ where
         /// start if missing). Off, they are only reported and terminated.
         dead_letters(enabled: bool) => options.dead_letters;
         /// Whether a handler that runs long tells JetStream it is still working (an
-        /// in-progress ack every half ack wait), so the message is not redelivered meanwhile
-        /// (default `true`). A redelivery would find the inbox row once this one commits, so
+        /// in-progress ack every half ack wait, from the moment the message is started:
+        /// waiting for a pool connection or for the inbox row's lock counts), so the message
+        /// is not redelivered meanwhile (default `true`). A redelivery would find the inbox row once this one commits, so
         /// turning it off costs work, not correctness.
         keep_alive(enabled: bool) => options.keep_alive;
     }

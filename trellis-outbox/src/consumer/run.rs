@@ -148,10 +148,32 @@ pub(crate) struct Shared<DB: OutboxDatabase, E, H> {
     pub(crate) _event: PhantomData<fn() -> E>,
 }
 
+/// A message stream on `consumer` within its cached limits. It pulls no more than can be
+/// worked on (a pulled message's ack wait is running), nor more than the consumer allows per
+/// pull (`max_batch`, set by whoever created it): the server refuses a larger pull, and
+/// async-nats then ends the message stream.
+async fn pull(
+    consumer: &PullConsumer,
+    concurrency: usize,
+) -> Result<
+    async_nats::jetstream::consumer::pull::Stream,
+    async_nats::jetstream::consumer::StreamError,
+> {
+    let batch = match usize::try_from(consumer.cached_info().config.max_batch) {
+        Ok(max) if max > 0 => concurrency.min(max),
+        _ => concurrency,
+    };
+    consumer
+        .stream()
+        .max_messages_per_batch(batch)
+        .messages()
+        .await
+}
+
 /// Pulls until cancelled, at most `concurrency` messages in hand; then waits for those.
 pub(crate) async fn run<DB, E, H>(
     shared: Arc<Shared<DB, E, H>>,
-    consumer: PullConsumer,
+    mut consumer: PullConsumer,
     concurrency: usize,
     cancel: CancellationToken,
 ) -> Result<(), ConsumerError>
@@ -164,15 +186,9 @@ where
         consumer: shared.consumer_name.clone(),
         source,
     };
-    // Pull no more than can be worked on: a pulled message's ack wait is running. Nor more
-    // than the consumer allows per pull (`max_batch`, set by whoever created it): the server
-    // refuses a larger pull, and async-nats then ends the message stream.
-    let batch = match usize::try_from(consumer.cached_info().config.max_batch) {
-        Ok(max) if max > 0 => concurrency.min(max),
-        _ => concurrency,
-    };
-    let pull = || consumer.stream().max_messages_per_batch(batch).messages();
-    let mut messages = pull().await.map_err(|e| pull_error(e.into()))?;
+    let mut messages = pull(&consumer, concurrency)
+        .await
+        .map_err(|e| pull_error(e.into()))?;
     let permits = Arc::new(Semaphore::new(concurrency));
     let mut tasks = JoinSet::new();
     loop {
@@ -212,7 +228,12 @@ where
                     () = cancel.cancelled() => break,
                     () = tokio::time::sleep(PULL_RETRY) => {}
                 }
-                match pull().await {
+                // The durable may have been replaced with other limits (`max_batch`,
+                // `max_expires`): pulling with the old ones would be refused again, forever.
+                if let Err(err) = consumer.info().await {
+                    tracing::warn!(consumer = %shared.consumer_name, error = %err, "cannot read the consumer's settings; pulling with the last known ones");
+                }
+                match pull(&consumer, concurrency).await {
                     Ok(fresh) => messages = fresh,
                     Err(err) => {
                         tracing::error!(consumer = %shared.consumer_name, error = %err, "cannot pull messages; trying again");
@@ -228,6 +249,12 @@ where
         if let Err(err) = joined {
             tracing::error!(consumer = %shared.consumer_name, error = %err, "a message task ended abnormally");
         }
+    }
+    // Acks, naks and terms are only queued on the connection: send them before `shutdown`
+    // returns, or a process exiting right after it loses them (a lost term dead-letters the
+    // message again).
+    if let Err(err) = shared.jetstream.client().flush().await {
+        tracing::warn!(consumer = %shared.consumer_name, error = %err, "flushing the last acknowledgements failed");
     }
     Ok(())
 }
@@ -383,25 +410,32 @@ where
     let database = |err: &(dyn std::error::Error + 'static)| {
         Failure::new(FailureKind::Database, crate::chain::error_chain(err), true)
     };
-    let mut tx = shared.pool.begin().await.map_err(|e| database(&e))?;
-    match shared.outbox.record_inbox(&mut tx, id).await {
-        Ok(InboxReceipt::Duplicate) => {
-            // Nothing was written; ending the transaction is all that is left.
-            let _ = tx.rollback().await;
-            return Ok(Applied::Duplicate);
+    // Waiting for a connection or for another transaction's inbox row lock counts too: the
+    // keep-alive covers it, not only the handler.
+    let work = async {
+        let mut tx = shared.pool.begin().await.map_err(|e| database(&e))?;
+        match shared.outbox.record_inbox(&mut tx, id).await {
+            Ok(InboxReceipt::Duplicate) => {
+                // Nothing was written; ending the transaction is all that is left.
+                let _ = tx.rollback().await;
+                return Ok(None);
+            }
+            Ok(_) => {}
+            Err(err) => return Err(database(&err)),
         }
-        Ok(_) => {}
-        Err(err) => return Err(database(&err)),
-    }
-    let handled = AssertUnwindSafe(shared.handler.handle(&mut tx, delivered)).catch_unwind();
-    let outcome = match shared.settings.keep_alive {
-        None => handled.await,
+        let outcome = AssertUnwindSafe(shared.handler.handle(&mut tx, delivered))
+            .catch_unwind()
+            .await;
+        Ok(Some((tx, outcome)))
+    };
+    let worked = match shared.settings.keep_alive {
+        None => work.await,
         Some(every) => {
-            tokio::pin!(handled);
+            tokio::pin!(work);
             let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
             loop {
                 tokio::select! {
-                    outcome = &mut handled => break outcome,
+                    worked = &mut work => break worked,
                     _ = ticks.tick() => {
                         // Best effort: a lost progress ack only risks a redelivery, which
                         // the inbox absorbs.
@@ -410,6 +444,9 @@ where
                 }
             }
         }
+    };
+    let Some((tx, outcome)) = worked? else {
+        return Ok(Applied::Duplicate);
     };
     match outcome {
         Ok(Ok(())) => {
