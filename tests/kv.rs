@@ -354,6 +354,31 @@ async fn poison_values_go_dead_and_the_rest_is_dispatched() {
     bucket.end().await;
 }
 
+/// A foreign value that, wrapped to be kept (base64) with the lease fields, no longer fits
+/// in a message: it cannot be claimed (nor put to rest), but it no longer fails every claim
+/// and so stops the whole outbox; the other records are dispatched.
+#[tokio::test]
+async fn a_value_too_large_to_claim_is_left_alone_and_the_rest_is_dispatched() {
+    let bucket = Bucket::new().await;
+    let outbox = bucket.outbox();
+    bucket
+        .store
+        .put("huge", vec![0xff_u8; 800_000].into())
+        .await
+        .unwrap();
+    outbox.enqueue(&event("good-1")).await.unwrap();
+    let publisher = RecordingPublisher::new();
+    let report = dispatch_outbox(&outbox, &publisher, DispatchOptions::new())
+        .await
+        .unwrap();
+    assert_eq!((report.dispatched, report.dead), (1, 0), "{report:?}");
+    assert_eq!(bucket.value("good-1").await["state"], "dispatched");
+    // Left exactly as it was.
+    let huge = bucket.store.get("huge").await.unwrap().unwrap();
+    assert_eq!(huge.len(), 800_000);
+    bucket.end().await;
+}
+
 #[tokio::test]
 async fn ids_nats_refuses_as_keys_are_escaped_once_and_dispatched() {
     let bucket = Bucket::new().await;

@@ -81,6 +81,27 @@ fn kv_error(
     }
 }
 
+/// Whether a failed write was refused for its size (the client's `max_payload` check, or
+/// JetStream's 10054 for the bucket's `max_value_size`): no retry of the same value fits.
+fn too_large(err: &(dyn std::error::Error + 'static)) -> bool {
+    use async_nats::jetstream::context::{PublishError, PublishErrorKind};
+    let mut next = Some(err);
+    while let Some(err) = next {
+        if let Some(publish) = err.downcast_ref::<PublishError>()
+            && publish.kind() == PublishErrorKind::MaxPayloadExceeded
+        {
+            return true;
+        }
+        if let Some(js) = err.downcast_ref::<async_nats::jetstream::Error>()
+            && js.error_code() == async_nats::jetstream::ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM
+        {
+            return true;
+        }
+        next = err.source();
+    }
+    false
+}
+
 /// A record as read: its revision and its value as a JSON object (whatever it holds).
 struct Read {
     key: String,
@@ -235,6 +256,12 @@ impl NatsKvOutboxRepository {
         match self.store.update(key, bytes.into(), revision).await {
             Ok(_) => Ok(true),
             Err(e) if e.kind() == UpdateErrorKind::WrongLastRevision => Ok(false),
+            Err(e) if too_large(&e) => Err(Error::Kv {
+                operation: "write",
+                key: key.to_owned(),
+                source: Box::new(e),
+                retryable: false,
+            }),
             Err(e) => Err(kv_error("write", key, e)),
         }
     }
@@ -381,8 +408,25 @@ impl OutboxRepository for NatsKvOutboxRepository {
             if claim.len() >= request.limit {
                 break;
             }
-            if !self.claim_one(&mut read, &claim.token, now, until).await? {
-                continue;
+            match self.claim_one(&mut read, &claim.token, now, until).await {
+                Ok(true) => {}
+                Ok(false) => continue,
+                // A record that grew past what the bucket accepts with its lease fields (or
+                // a foreign value, wrapped to keep it) cannot be claimed, and so not be put
+                // to rest either: leave it as it is, say so, and claim the others.
+                Err(
+                    err @ Error::Kv {
+                        retryable: false, ..
+                    },
+                ) => {
+                    tracing::error!(
+                        key = %read.key,
+                        error = %crate::chain::error_chain(&err),
+                        "outbox KV record cannot be claimed: it is too large to store with its lease; fix or delete it"
+                    );
+                    continue;
+                }
+                Err(err) => return Err(err),
             }
             let id = match &message {
                 Ok(message) => message.id.clone(),
