@@ -810,6 +810,42 @@ async fn a_message_near_the_size_limit_is_dead_lettered_with_a_shorter_error() {
     h.end().await;
 }
 
+/// A poison message so close to `max_payload` that no copy fits, even without the error
+/// text: it is terminated (and reported) at once, not redelivered until its deliveries run
+/// out, each time failing to copy it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_too_large_to_copy_is_terminated_at_once() {
+    let h = Harness::new().await;
+    let consumer = h.start(None, |_, _| None).await;
+    let js = h.stream.context.clone();
+    let max_payload = js.client().server_info().max_payload;
+    // Not a `Shipped`: poison, for the dead letters at once.
+    let payload = vec![b'x'; max_payload - 200];
+    publish(
+        &js,
+        h.stream.subject("shipped.huge"),
+        Some("evt-huge"),
+        payload,
+    )
+    .await;
+    h.settled().await;
+    let failures = h.failures.lock().unwrap().clone();
+    let report = consumer.shutdown().await.unwrap();
+    assert_eq!(
+        (report.terminated, report.redelivered, report.dead_lettered),
+        (1, 0, 0),
+        "{report:?}"
+    );
+    assert!(dead_letters(&js, &h.name).await.is_empty());
+    assert!(
+        failures
+            .iter()
+            .any(|f| f.error.contains("over the server's max_payload")),
+        "{failures:?}"
+    );
+    h.end().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_last_delivery_dead_letters_and_a_permanent_error_at_once() {
     let h = Harness::new().await;

@@ -488,6 +488,17 @@ async fn redeliver<DB: OutboxDatabase, E, H>(
     }
 }
 
+/// A dead-letter copy that cannot fit the server's `max_payload`, even with no error text:
+/// no later delivery can copy it either.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the copy would take {size} bytes with its dead-letter headers, over the server's max_payload of {max_payload}"
+)]
+struct CopyTooLarge {
+    size: usize,
+    max_payload: usize,
+}
+
 /// Dead-letters (when enabled) and terminates a message that will not be applied.
 async fn give_up<DB: OutboxDatabase, E, H>(
     shared: &Shared<DB, E, H>,
@@ -507,7 +518,8 @@ async fn give_up<DB: OutboxDatabase, E, H>(
                     ),
                     true,
                 );
-                if shared.settings.redelivers(at.delivery) {
+                // A copy that can never fit is not worth the remaining deliveries.
+                if !err.is::<CopyTooLarge>() && shared.settings.redelivers(at.delivery) {
                     // Try the whole message again later rather than lose the copy.
                     let after = shared.settings.delay_after(at.delivery);
                     return redeliver(shared, at, &copy_failed, after).await;
@@ -578,7 +590,13 @@ async fn dead_letter<DB: OutboxDatabase, E, H>(
     let max_payload = shared.jetstream.client().server_info().max_payload;
     if max_payload > 0 {
         let used = at.message.payload.len() + wire_len(&headers) + h::ERROR.len() + 4;
-        truncate_to(&mut error, max_payload.saturating_sub(used));
+        if used > max_payload {
+            return Err(Box::new(CopyTooLarge {
+                size: used,
+                max_payload,
+            }));
+        }
+        truncate_to(&mut error, max_payload - used);
     }
     headers.insert(h::ERROR, error.as_str());
     let publish = async {
