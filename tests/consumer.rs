@@ -680,6 +680,14 @@ async fn poison_messages_are_dead_lettered_and_the_consumer_keeps_going() {
     )
     .await;
     publish(&js, h.stream.subject("shipped.noid"), None, shipped(2)).await;
+    // An id that cannot be used (a control character): kept as it came in the copy.
+    publish(
+        &js,
+        h.stream.subject("shipped.ctl"),
+        Some("evt\u{1}ctl"),
+        shipped(5),
+    )
+    .await;
     publish(
         &js,
         h.stream.subject("shipped.boom"),
@@ -703,7 +711,7 @@ async fn poison_messages_are_dead_lettered_and_the_consumer_keeps_going() {
     );
     assert_eq!(
         (report.applied, report.dead_lettered, report.redelivered),
-        (1, 3, 0)
+        (1, 4, 0)
     );
     assert!(
         h.deliveries.lock().unwrap().get("evt-bad").is_none(),
@@ -711,7 +719,20 @@ async fn poison_messages_are_dead_lettered_and_the_consumer_keeps_going() {
     );
 
     let copies = dead_letters(&js, &h.name).await;
-    assert_eq!(copies.len(), 3, "one dead-letter copy each");
+    assert_eq!(copies.len(), 4, "one dead-letter copy each");
+    let ctl = copies
+        .iter()
+        .find(|m| {
+            header(m, dead_letter_headers::SUBJECT)
+                == Some(h.stream.subject("shipped.ctl").as_str())
+        })
+        .unwrap();
+    assert_eq!(header(ctl, dead_letter_headers::KIND), Some("MissingId"));
+    assert_eq!(
+        header(ctl, dead_letter_headers::MESSAGE_ID),
+        Some("evt\u{1}ctl"),
+        "the unusable id is kept"
+    );
     // A panicking `Deserialize` is poison too, not a message left unsettled.
     let boom = copies
         .iter()
@@ -756,7 +777,7 @@ async fn poison_messages_are_dead_lettered_and_the_consumer_keeps_going() {
         Some("2026-12-03T10:00:00.000Z")
     );
     let failures = h.failures.lock().unwrap().clone();
-    assert_eq!(failures.len(), 3);
+    assert_eq!(failures.len(), 4);
     assert!(
         failures
             .iter()

@@ -574,6 +574,15 @@ async fn dead_letter<DB: OutboxDatabase, E, H>(
     headers.insert(h::DELIVERIES, at.delivery.to_string().as_str());
     if let Some(id) = &at.id {
         headers.insert(h::MESSAGE_ID, id.as_str());
+    } else if let Some(raw) = at.message.headers.as_ref().and_then(|original| {
+        original
+            .iter()
+            .find(|(name, _)| name.to_string().eq_ignore_ascii_case(NATS_MSG_ID))
+            .and_then(|(_, values)| values.first())
+    }) {
+        // An id that could not be used (blank, surrounded by spaces, …) is kept as it came:
+        // the copy drops every `Nats-*` header.
+        headers.insert(h::MESSAGE_ID, raw.clone());
     }
     // One copy per message and consumer, even if this publish is repeated.
     headers.insert(
