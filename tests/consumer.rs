@@ -867,6 +867,25 @@ async fn a_message_too_large_to_copy_is_terminated_at_once() {
     h.end().await;
 }
 
+/// By default a message is dead-lettered one delivery before the durable's `max_deliver`
+/// (10 here): the server's last delivery is a spare for one spent without an attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_the_last_attempt_leaves_one_server_delivery_spare() {
+    let h = Harness::new().await;
+    let consumer = h
+        .start(None, |_, _| Some(HandlerError::retryable("still failing")))
+        .await;
+    publish_shipped(&h, 0, 1).await;
+    h.settled().await;
+    let report = consumer.shutdown().await.unwrap();
+    assert_eq!(report.dead_lettered, 1, "{report:?}");
+    assert_eq!(
+        h.deliveries.lock().unwrap()["evt-0"],
+        (1..=9).collect::<Vec<u64>>()
+    );
+    h.end().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_last_delivery_dead_letters_and_a_permanent_error_at_once() {
     let h = Harness::new().await;
@@ -990,7 +1009,8 @@ async fn create_builds_the_stream_from_the_subject_template_and_bad_options_are_
         vec![Shipped::SUBJECT_TEMPLATE.replace("{order}", "*")]
     );
     let consumer_info = stream.consumer_info("billing").await.unwrap();
-    assert_eq!(consumer_info.config.max_deliver, 4);
+    // One spare server delivery beyond ours.
+    assert_eq!(consumer_info.config.max_deliver, 5);
     assert_eq!(consumer_info.config.ack_policy, AckPolicy::Explicit);
     consumer.shutdown().await.unwrap();
 
@@ -1008,7 +1028,7 @@ async fn create_builds_the_stream_from_the_subject_template_and_bad_options_are_
     refused(
         Consumer::builder(js.clone(), db.pool.clone(), noop())
             .bind(&stream_name, "billing")
-            .max_deliveries(5)
+            .max_deliveries(6)
             .start()
             .await,
         "max_deliveries",

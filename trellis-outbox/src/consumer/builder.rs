@@ -239,9 +239,13 @@ where
         keep_alive(enabled: bool) => options.keep_alive;
     }
 
-    /// How many deliveries a message gets before it is dead-lettered. Default: the JetStream
-    /// consumer's `max_deliver`, or [`DEFAULT_MAX_DELIVERIES`] when it sets none; more than
-    /// the consumer's `max_deliver` is refused (the server would stop delivering first).
+    /// How many deliveries a message gets before it is dead-lettered. Default: one less than
+    /// the JetStream consumer's `max_deliver` (at least 1), or [`DEFAULT_MAX_DELIVERIES`]
+    /// when it sets none; more than the consumer's `max_deliver` is refused (the server would
+    /// stop delivering first). A durable this consumer creates gets `max_deliver` one above
+    /// this. The spare delivery matters: a delivery can be spent without an attempt (pulled
+    /// ahead of a free handler slot and expired, or dropped at shutdown), and a message whose
+    /// last server delivery is spent so is never delivered again, copied or reported.
     pub fn max_deliveries(mut self, deliveries: u32) -> Self {
         self.options.max_deliveries = Some(deliveries);
         self
@@ -319,7 +323,7 @@ where
                 });
             }
             (Some(ours), _) => ours,
-            (None, Some(server)) => server,
+            (None, Some(server)) => server.saturating_sub(1).max(1),
             (None, None) => DEFAULT_MAX_DELIVERIES,
         };
         let keep_alive = self
@@ -385,10 +389,12 @@ where
                     })
                     .await
                     .map_err(|e| stream_error(e.into()))?;
+                // One spare delivery beyond ours (see `max_deliveries`).
                 let max_deliver = self
                     .options
                     .max_deliveries
-                    .map_or(i64::from(DEFAULT_MAX_DELIVERIES), i64::from);
+                    .map_or(i64::from(DEFAULT_MAX_DELIVERIES), i64::from)
+                    + 1;
                 stream
                     .get_or_create_consumer(
                         &target.consumer,
