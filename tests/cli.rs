@@ -138,6 +138,32 @@ fn rejects_bad_input_with_a_clear_message() {
     );
     let err = run(&["sql", "--dialect", "oracle"]).unwrap_err();
     assert!(err.contains("invalid value 'oracle'"), "{err}");
+    // The version as a number, and the versions there are (not `Some(99)`).
     let err = run(&["sql", "--dialect", "sqlite", "--version", "99"]).unwrap_err();
-    assert!(err.contains("no migration version Some(99)"), "{err}");
+    assert_eq!(
+        err, "no migration version 99; known versions: 1, 2, 3, 4, 5, 6",
+        "{err}"
+    );
+}
+
+// Arguments are checked before the tool connects: a bad `--batch` with a database that cannot
+// be reached is the argument error, not a connection error.
+#[test]
+fn purge_batch_is_checked_before_connecting() {
+    for batch in ["0", "100001"] {
+        let err = run(&[
+            "--database-url",
+            "postgres://postgres@127.0.0.1:1/unreachable",
+            "purge",
+            "--dispatched-older-than",
+            "7d",
+            "--batch",
+            batch,
+        ])
+        .unwrap_err();
+        assert!(
+            err.contains("--batch") && err.contains("1..=100000") && !err.contains("connect"),
+            "{err}"
+        );
+    }
 }

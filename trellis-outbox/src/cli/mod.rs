@@ -148,11 +148,16 @@ enum Command {
         /// Delete inbox rows received longer ago than this (e.g. `30d`).
         #[arg(long, value_parser = duration)]
         inbox_older_than: Option<Duration>,
-        /// Rows per delete statement.
-        #[arg(long, default_value_t = 1000)]
-        batch: usize,
+        /// Rows per delete statement, 1 to 100,000 (checked before connecting).
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=MAX_PURGE_BATCH))]
+        batch: u64,
     },
 }
+
+/// The largest `purge --batch` ([`SqlOutboxRepository::purge_dispatched`]'s limit).
+///
+/// [`SqlOutboxRepository::purge_dispatched`]: crate::SqlOutboxRepository::purge_dispatched
+const MAX_PURGE_BATCH: u64 = 100_000;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum DialectArg {
@@ -274,9 +279,13 @@ fn print_sql(
         // leave nothing for them to alter.
         selected.reverse();
     }
-    if selected.is_empty() {
-        let known: Vec<u32> = all.iter().map(|m| m.version).collect();
-        return Err(format!("no migration version {version:?}; known: {known:?}").into());
+    if let (Some(version), true) = (version, selected.is_empty()) {
+        let known: Vec<String> = all.iter().map(|m| m.version.to_string()).collect();
+        return Err(format!(
+            "no migration version {version}; known versions: {}",
+            known.join(", ")
+        )
+        .into());
     }
     for (i, m) in selected.iter().enumerate() {
         if i > 0 {

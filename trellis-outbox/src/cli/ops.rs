@@ -279,6 +279,8 @@ async fn on<DB: OutboxDatabase>(
             inbox_older_than,
             batch,
         } => {
+            // Checked by clap (1 to 100,000) before connecting.
+            let batch = usize::try_from(batch).unwrap_or(usize::MAX);
             if let Some(age) = dispatched_older_than {
                 let deleted = repo.purge_dispatched(age, batch).await?;
                 purged(out, deleted, "dispatched", age)?;
