@@ -14,6 +14,15 @@ use crate::tables::OutboxTables;
 /// SQLite's current time in the stored format, `YYYY-MM-DDTHH:MM:SS.SSSZ`.
 const NOW: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')";
 
+/// A row's `created_at` as a julianday, NULL when it is not a stored time. Other writers may
+/// store anything: `julianday` answers NULL for text that is not a date (and `min` of the
+/// text would pick such a value, `''` say, and answer NULL for the whole table), and reads a
+/// number, or numeric text, as a Julian day number (year -4713). Only text that starts with a
+/// date counts.
+const CREATED_AT_TIME: &str = "CASE WHEN typeof(created_at) = 'text' \
+     AND created_at GLOB '[0-9][0-9][0-9][0-9]-[0-9][0-9]-[0-9][0-9]*' \
+     THEN julianday(created_at) END";
+
 /// The `next_attempt_at` of a `dead` row: far enough that an upstream Trellis dispatcher,
 /// which claims every undispatched row once it is due, never takes it.
 pub(crate) const NEVER: &str = "'9999-12-31T23:59:59.999Z'";
@@ -145,14 +154,15 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
              ORDER BY received_at LIMIT ?2)"
         )
         .into(),
-        // A state that is not text (another writer's) is counted under its text form.
+        // A state that is not text (another writer's) is counted under its text form. The
+        // ages leave out `created_at` values that are not times ([`CREATED_AT_TIME`]).
         status: format!(
             "SELECT COALESCE(CAST(state AS TEXT), '(null)'), count(*), \
-             (julianday({NOW}) - julianday(min(created_at))) * 86400.0 FROM {o} GROUP BY state"
+             (julianday({NOW}) - min({CREATED_AT_TIME})) * 86400.0 FROM {o} GROUP BY state"
         )
         .into(),
         backlog: format!(
-            "SELECT count(*), (julianday({NOW}) - julianday(min(created_at))) * 86400.0 \
+            "SELECT count(*), (julianday({NOW}) - min({CREATED_AT_TIME})) * 86400.0 \
              FROM {o} WHERE state IN ({OPEN_STATES})"
         )
         .into(),
