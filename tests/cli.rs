@@ -2,7 +2,7 @@
 
 use serde_json::{Value, json};
 use trellis_outbox::{OutboxTransactionExt, PreparedOutboxRecord, migrate};
-use trellis_outbox_tests::{TestPg, TestSqlite};
+use trellis_outbox_tests::{TestPg, TestSqlite, database_url};
 
 fn run(args: &[&str]) -> Result<String, String> {
     let mut out = Vec::new();
@@ -25,6 +25,12 @@ async fn run_on(url: &str, args: &[&str]) -> Result<String, String> {
 
 fn sqlite_url(db: &TestSqlite) -> String {
     format!("sqlite:{}", db.path.display())
+}
+
+fn pg_url(db: &TestPg) -> String {
+    let base = database_url();
+    let (server, _) = base.rsplit_once('/').unwrap();
+    format!("{server}/{}", db.name)
 }
 
 /// An event record of `Orders.Placed` on `events.v1.orders.<n>`.
@@ -200,6 +206,102 @@ fn purge_batch_is_checked_before_connecting() {
             "{err}"
         );
     }
+}
+
+// Audit: `list` and `inspect` showed neither a row's lease nor its ordering key. Both show
+// `claim_token`, `claimed_until` and `ordering_key`, in text and JSON, on both databases.
+async fn list_and_inspect_show_leases_and_ordering_keys(url: &str, lease: &str) {
+    let list = run_on(url, &["list", "--state", "pending"]).await.unwrap();
+    let lines: Vec<&str> = list.lines().collect();
+    assert_eq!(lines.len(), 2, "{list}");
+    assert!(
+        lines[0].contains("  ordering_key=order-42")
+            && lines[0].contains("  claim_token=token-1  claimed_until=2099-01-02T03:04:05.678Z"),
+        "{list}"
+    );
+    assert!(
+        !lines[1].contains("ordering_key=") && !lines[1].contains("claim_token="),
+        "{list}"
+    );
+    let json: Value =
+        serde_json::from_str(&run_on(url, &["list", "--state", "pending", "--json"]).await.unwrap())
+            .unwrap();
+    assert_eq!(
+        (&json[0]["claim_token"], &json[0]["claimed_until"], &json[0]["ordering_key"]),
+        (&json!("token-1"), &json!(lease), &json!("order-42"))
+    );
+    assert_eq!(
+        (&json[1]["claim_token"], &json[1]["claimed_until"], &json[1]["ordering_key"]),
+        (&Value::Null, &Value::Null, &Value::Null)
+    );
+    let id = json[0]["id"].as_str().unwrap();
+    let inspected: Value =
+        serde_json::from_str(&run_on(url, &["inspect", id]).await.unwrap()).unwrap();
+    assert_eq!(inspected, json[0]);
+}
+
+/// Two pending rows: the first keyed `order-42` and leased to `token-1` until 2099.
+fn keyed_and_plain() -> [PreparedOutboxRecord; 2] {
+    [placed(0).ordered_by("order-42"), placed(1)]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_list_and_inspect_show_leases_and_ordering_keys() {
+    let db = TestSqlite::new().await;
+    migrate(&db.pool).await.unwrap();
+    let records = keyed_and_plain();
+    enqueue(&db.pool, &records).await;
+    sqlx::query("UPDATE trellis_outbox SET claim_token = 'token-1', claimed_until = '2099-01-02T03:04:05.678Z' WHERE id = ?")
+        .bind(&records[0].id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    list_and_inspect_show_leases_and_ordering_keys(&sqlite_url(&db), "2099-01-02T03:04:05.678Z")
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_list_and_inspect_show_leases_and_ordering_keys() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let records = keyed_and_plain();
+    enqueue(&db.pool, &records).await;
+    sqlx::query("UPDATE trellis_outbox SET claim_token = 'token-1', claimed_until = '2099-01-02T03:04:05.678Z' WHERE id = $1")
+        .bind(&records[0].id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    list_and_inspect_show_leases_and_ordering_keys(&pg_url(&db), "2099-01-02T03:04:05.678Z").await;
+    db.close().await;
+}
+
+// Audit: `list` printed `last_error` as stored, so a newline in it broke the one-row-a-line
+// table. Text output escapes control characters (and backslashes); JSON keeps the text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_text_escapes_control_characters_and_json_keeps_them() {
+    let db = TestSqlite::new().await;
+    migrate(&db.pool).await.unwrap();
+    let records = [placed(0), placed(1)];
+    enqueue(&db.pool, &records).await;
+    let error = "publish failed\ncaused by: timeout\r\t\u{1b}[2K back\\slash";
+    sqlx::query("UPDATE trellis_outbox SET state = 'dead', last_error = ?")
+        .bind(error)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let url = sqlite_url(&db);
+    let text = run_on(&url, &["list", "--state", "dead"]).await.unwrap();
+    assert_eq!(text.lines().count(), 2, "{text}");
+    assert!(
+        text.lines().all(|line| line.ends_with(
+            "  error=publish failed\\ncaused by: timeout\\r\\t\\u{1b}[2K back\\\\slash"
+        )),
+        "{text}"
+    );
+    let json: Value =
+        serde_json::from_str(&run_on(&url, &["list", "--state", "dead", "--json"]).await.unwrap())
+            .unwrap();
+    assert_eq!(json[0]["last_error"], json!(error));
 }
 
 // Audit: on SQLite the lag was NULL as soon as one undispatched row's `created_at` was text

@@ -4,6 +4,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
+
 use crate::dispatch::PoisonRow;
 use crate::driver::OutboxDatabase;
 use crate::error::{Error, Result};
@@ -36,6 +38,52 @@ pub struct OutboxStatus {
     /// head. Left out of the JSON form when empty.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub blocked_keys: Vec<BlockedKey>,
+}
+
+/// One stored row as an operator sees it: the message, and what a message does not carry —
+/// the lease a dispatcher holds on it, if any, and its ordering key.
+///
+/// In JSON, the message's fields and then `claim_token`, `claimed_until` and `ordering_key`
+/// (`null` when not set).
+///
+/// ```
+/// # fn show(row: &trellis_outbox::OutboxRow) {
+/// match (&row.claim_token, row.claimed_until) {
+///     (Some(token), Some(until)) => println!("{} leased to {token} until {until}", row.message.id),
+///     _ => println!("{} not leased", row.message.id),
+/// }
+/// # }
+/// ```
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct OutboxRow {
+    /// The row's content and state.
+    #[serde(flatten)]
+    pub message: OutboxMessage,
+    /// The fencing token of the claim that holds (or last held, if `claimed_until` has
+    /// passed) the row; `None` when no dispatcher has it.
+    pub claim_token: Option<String>,
+    /// When that claim's lease ends, on the database's clock; after it, another dispatcher
+    /// may claim the row.
+    pub claimed_until: Option<DateTime<Utc>>,
+    /// The key the row is published in order with, if any.
+    pub ordering_key: Option<String>,
+}
+
+impl OutboxRow {
+    pub(crate) fn new(
+        message: OutboxMessage,
+        claim_token: Option<String>,
+        claimed_until: Option<DateTime<Utc>>,
+        ordering_key: Option<String>,
+    ) -> Self {
+        Self {
+            message,
+            claim_token,
+            claimed_until,
+            ordering_key,
+        }
+    }
 }
 
 /// How many blocked keys [`SqlOutboxRepository::status`] reports at most.
@@ -145,6 +193,7 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
 
     /// Up to `limit` rows in `state` (of event name or queue `name`, if given), oldest
     /// first; a row that cannot be decoded comes back as a [`PoisonRow`] with the reason.
+    /// [`list_rows`](Self::list_rows) also gives each row's lease and ordering key.
     ///
     /// # Errors
     ///
@@ -155,6 +204,35 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
         name: Option<&str>,
         limit: usize,
     ) -> Result<Vec<std::result::Result<OutboxMessage, PoisonRow>>> {
+        let rows = self.list_rows(state, name, limit).await?;
+        Ok(rows.into_iter().map(|row| row.map(|row| row.message)).collect())
+    }
+
+    /// [`list`](Self::list) with each row's lease (`claim_token`, `claimed_until`) and
+    /// ordering key: what `trellis-outbox list` prints.
+    ///
+    /// ```no_run
+    /// # async fn run(repository: trellis_outbox::PgOutboxRepository) -> trellis_outbox::Result<()> {
+    /// use trellis_outbox::OutboxMessageState;
+    ///
+    /// for row in repository.list_rows(OutboxMessageState::Pending, None, 20).await? {
+    ///     match row {
+    ///         Ok(row) => println!("{} lease until {:?}", row.message.id, row.claimed_until),
+    ///         Err(poison) => println!("{} undecodable: {}", poison.id, poison.reason),
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Repository`] if the query fails.
+    pub async fn list_rows(
+        &self,
+        state: OutboxMessageState,
+        name: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<std::result::Result<OutboxRow, PoisonRow>>> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let rows = DB::fetch_rows(
             self.pool(),
@@ -168,7 +246,7 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
         Ok(rows
             .iter()
             .map(|row| {
-                DB::decode(row).map_err(|err| PoisonRow {
+                DB::decode_row(row).map_err(|err| PoisonRow {
                     id: match &err {
                         Error::Decode { id, .. } => id.clone(),
                         _ => String::new(),
@@ -195,6 +273,33 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
             .await
             .map_err(Error::repository("get"))?;
         row.as_ref().map(DB::decode).transpose()
+    }
+
+    /// The row `id` with its lease and ordering key, if there is one: what
+    /// `trellis-outbox inspect` prints.
+    ///
+    /// ```no_run
+    /// # async fn run(repository: trellis_outbox::PgOutboxRepository) -> trellis_outbox::Result<()> {
+    /// if let Some(row) = repository.get_row("01J9ZK3V8Q2W4E6R8T0Y1U3I5O").await? {
+    ///     println!("{:?}, ordering key {:?}", row.message.state, row.ordering_key);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Repository`] if the query fails, [`Error::Decode`] if the row cannot be
+    /// decoded (the error says which column and why).
+    pub async fn get_row(&self, id: &str) -> Result<Option<OutboxRow>> {
+        let mut conn = self
+            .pool()
+            .acquire()
+            .await
+            .map_err(Error::repository("inspect"))?;
+        let row = DB::fetch_by_id(&mut conn, &self.statements().text.inspect, id)
+            .await
+            .map_err(Error::repository("inspect"))?;
+        row.as_ref().map(DB::decode_row).transpose()
     }
 
     /// Moves every `dead` row — of event name or queue `name`, if given — back to `pending`,

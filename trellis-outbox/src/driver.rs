@@ -13,6 +13,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::{Database, Encode, Pool, Transaction, Type};
 
+use crate::admin::OutboxRow;
 use crate::dispatch::{Claim, ClaimRequest, Dispatched, Failure, RetryOutcome};
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord, new_id};
@@ -100,6 +101,9 @@ pub(crate) mod sealed {
         }
     }
 
+    /// `(claim_token, claimed_until, ordering_key)` of a stored row.
+    pub(crate) type RowExtras = (Option<String>, Option<DateTime<Utc>>, Option<String>);
+
     /// A migration being recorded.
     #[derive(Debug, Clone, Copy)]
     pub struct Applied<'a> {
@@ -155,6 +159,19 @@ pub(crate) mod sealed {
 
         /// Decodes a row that selected [`COLUMNS`](crate::sql::COLUMNS) first, in order.
         fn decode(row: &Self::Row) -> Result<OutboxMessage>;
+
+        /// Reads the lease and ordering key of a row that selected
+        /// [`ROW_EXTRAS`](crate::sql::ROW_EXTRAS) right after [`COLUMNS`](crate::sql::COLUMNS):
+        /// `(claim_token, claimed_until, ordering_key)`. `id` names the row in errors.
+        fn decode_extras(row: &Self::Row, id: &str) -> Result<RowExtras>;
+
+        /// Decodes a row that selected [`COLUMNS`](crate::sql::COLUMNS) and then
+        /// [`ROW_EXTRAS`](crate::sql::ROW_EXTRAS).
+        fn decode_row(row: &Self::Row) -> Result<OutboxRow> {
+            let message = Self::decode(row)?;
+            let (claim_token, claimed_until, ordering_key) = Self::decode_extras(row, &message.id)?;
+            Ok(OutboxRow::new(message, claim_token, claimed_until, ordering_key))
+        }
 
         /// Runs the single-row `enqueue` of `record`, a `pending` row at `on.now`: whether it
         /// inserted the row (false: a row with its id exists).

@@ -101,7 +101,7 @@ mod time;
 mod wire;
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-pub use crate::admin::{BLOCKED_KEYS_SHOWN, BlockedKey, OutboxStatus};
+pub use crate::admin::{BLOCKED_KEYS_SHOWN, BlockedKey, OutboxRow, OutboxStatus};
 #[cfg(feature = "nats")]
 pub use crate::consumer::{
     ConsumeFailure, Consumer, ConsumerBuilder, ConsumerError, ConsumerHandle, ConsumerReport,

@@ -67,6 +67,26 @@ pub(crate) fn ordering_index(o: &str) -> String {
 
 pub(crate) const COLUMNS: &str = "id, kind, name, subject, payload, headers, state, attempts, created_at, updated_at, next_attempt_at, last_error, outcome";
 
+/// How many columns [`COLUMNS`] names.
+pub(crate) const COLUMN_COUNT: usize = 13;
+
+const _: () = {
+    // COLUMNS has COLUMN_COUNT names.
+    let bytes = COLUMNS.as_bytes();
+    let (mut i, mut commas) = (0, 0);
+    while i < bytes.len() {
+        if bytes[i] == b',' {
+            commas += 1;
+        }
+        i += 1;
+    }
+    assert!(commas + 1 == COLUMN_COUNT);
+};
+
+/// What an operator sees of a row beyond [`COLUMNS`]: its lease and its ordering key, selected
+/// after them by `list` and `inspect` and read by `Backend::decode_row`.
+pub(crate) const ROW_EXTRAS: &str = "claim_token, claimed_until, ordering_key";
+
 /// The SQL trellis-outbox sends for one dialect and table set.
 ///
 /// The enqueue and inbox statements are byte-for-byte upstream Trellis' (spec §B.5), so rows
@@ -162,8 +182,11 @@ texts! {
     status,
     /// Undispatched rows and the age in seconds of the oldest (NULL when none).
     backlog,
-    /// Rows in a state (state, name or NULL for any, limit), oldest first, [`COLUMNS`].
+    /// Rows in a state (state, name or NULL for any, limit), oldest first, [`COLUMNS`] and
+    /// [`ROW_EXTRAS`].
     list,
+    /// One stored row by id, [`COLUMNS`] and [`ROW_EXTRAS`].
+    inspect,
     /// Moves every `dead` row (of a name, or NULL for all) back to `pending`, due now.
     retry_dead,
     /// Keys held by a dead head under the `block` policy (limit): rows waiting behind it,

@@ -207,12 +207,12 @@ async fn on<DB: OutboxDatabase>(
             name,
             json,
         } => {
-            let rows = repo.list(state.state(), name.as_deref(), limit).await?;
+            let rows = repo.list_rows(state.state(), name.as_deref(), limit).await?;
             if json {
                 let rows: Vec<serde_json::Value> = rows
                     .into_iter()
                     .map(|row| match row {
-                        Ok(message) => serde_json::to_value(message).unwrap_or_default(),
+                        Ok(row) => serde_json::to_value(row).unwrap_or_default(),
                         Err(poison) => {
                             serde_json::json!({"id": poison.id, "undecodable": poison.reason})
                         }
@@ -222,33 +222,46 @@ async fn on<DB: OutboxDatabase>(
                 writeln!(out)?;
             } else {
                 for row in rows {
+                    // One line per row: text from the table (written by any writer) is
+                    // escaped, so a newline in `last_error` cannot start a line of its own.
                     match row {
-                        Ok(m) => writeln!(
-                            out,
-                            "{}  {}  {}  attempts={}  created={}{}",
-                            m.id,
-                            m.name,
-                            m.subject,
-                            m.attempts,
-                            crate::time::format_timestamp(m.created_at),
-                            m.last_error
-                                .as_deref()
-                                .map(|e| format!("  error={e}"))
-                                .unwrap_or_default()
-                        )?,
-                        Err(poison) => {
-                            writeln!(out, "{}  undecodable: {}", poison.id, poison.reason)?
+                        Ok(row) => {
+                            let m = &row.message;
+                            writeln!(
+                                out,
+                                "{}  {}  {}  attempts={}  created={}{}{}{}",
+                                escaped(&m.id),
+                                escaped(&m.name),
+                                escaped(&m.subject),
+                                m.attempts,
+                                crate::time::format_timestamp(m.created_at),
+                                row.ordering_key
+                                    .as_deref()
+                                    .map(|key| format!("  ordering_key={}", escaped(key)))
+                                    .unwrap_or_default(),
+                                lease(&row),
+                                m.last_error
+                                    .as_deref()
+                                    .map(|e| format!("  error={}", escaped(e)))
+                                    .unwrap_or_default()
+                            )?;
                         }
+                        Err(poison) => writeln!(
+                            out,
+                            "{}  undecodable: {}",
+                            escaped(&poison.id),
+                            escaped(&poison.reason)
+                        )?,
                     }
                 }
             }
         }
         Command::Inspect { id } => {
-            let message = repo
-                .get(&id)
+            let row = repo
+                .get_row(&id)
                 .await?
                 .ok_or_else(|| format!("no outbox row with id {id:?}"))?;
-            serde_json::to_writer_pretty(&mut *out, &message)?;
+            serde_json::to_writer_pretty(&mut *out, &row)?;
             writeln!(out)?;
         }
         Command::Retry {
@@ -307,6 +320,41 @@ fn purged(out: &mut dyn Write, deleted: u64, what: &str, age: Duration) -> std::
     )
 }
 
+/// A listed row's lease for text output: `  claim_token=… claimed_until=…` while a claim
+/// token is set (the lease may have run out: compare `claimed_until` with the database's
+/// clock), nothing otherwise.
+fn lease(row: &crate::admin::OutboxRow) -> String {
+    match (&row.claim_token, row.claimed_until) {
+        (None, None) => String::new(),
+        (token, until) => format!(
+            "  claim_token={}  claimed_until={}",
+            token.as_deref().map_or(std::borrow::Cow::Borrowed("none"), escaped),
+            until.map_or_else(|| "none".to_owned(), crate::time::format_timestamp)
+        ),
+    }
+}
+
+/// `text` for one line of text output: control characters escaped (`\n`, `\r`, `\t`,
+/// `\u{1b}`, …) and so backslashes too (`\\`), so that what a writer stored can neither
+/// break a line nor be mistaken for an escape. JSON output carries the text as stored.
+pub(super) fn escaped(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(|c| c.is_control() || c == '\\') {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\\' => out.push_str("\\\\"),
+            c if c.is_control() => out.extend(c.escape_unicode()),
+            c => out.push(c),
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// A duration for people: `3s`, `1h 2m`.
 pub(super) fn seconds(duration: Duration) -> String {
     humantime::format_duration(Duration::from_secs(duration.as_secs())).to_string()
@@ -314,7 +362,16 @@ pub(super) fn seconds(duration: Duration) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::redact;
+    use super::{escaped, redact};
+
+    #[test]
+    fn control_characters_are_escaped() {
+        assert_eq!(escaped("plain text"), "plain text");
+        assert_eq!(
+            escaped("line 1\nline 2\r\ttab \\n \u{1b}[2K"),
+            "line 1\\nline 2\\r\\ttab \\\\n \\u{1b}[2K"
+        );
+    }
 
     #[test]
     fn passwords_are_not_printed() {

@@ -10,11 +10,11 @@ use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Transaction};
 use super::sql;
 use super::time::PgTime;
 use crate::driver::sealed::{
-    Backend, Enqueue, Lease, MigrationBackend, RepositoryBackend, RowsAffected,
+    Backend, Enqueue, Lease, MigrationBackend, RepositoryBackend, RowExtras, RowsAffected,
 };
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
-use crate::row::{bind_content, bind_ordering, first_id, headers_json, read};
+use crate::row::{bind_content, bind_ordering, first_id, get, headers_json, read};
 use crate::sql::{SqlStatements, statement};
 use crate::tables::Dialect;
 
@@ -58,6 +58,16 @@ impl Backend for Postgres {
     fn decode(row: &PgRow) -> Result<OutboxMessage> {
         read::<_, PgTime, Json<BTreeMap<String, String>>, Json<serde_json::Value>, i32>(row)?
             .into_message()
+    }
+
+    fn decode_extras(row: &PgRow, id: &str) -> Result<RowExtras> {
+        let first = crate::sql::COLUMN_COUNT;
+        let claimed_until: Option<PgTime> = get(row, id, first + 1, "claimed_until")?;
+        Ok((
+            get(row, id, first, "claim_token")?,
+            claimed_until.map(|PgTime(time)| time),
+            get(row, id, first + 2, "ordering_key")?,
+        ))
     }
 
     async fn insert_row(on: &mut Enqueue<'_, Self>, record: &PreparedOutboxRecord) -> Result<bool> {

@@ -11,7 +11,7 @@ use crate::sql::{UNDISPATCHED_KEYED, holds_back};
 pub(crate) const NEVER: &str = "'9999-12-31 23:59:59.999+00'";
 #[cfg(feature = "postgres")]
 use crate::sql::SqlStatements;
-use crate::sql::{COLUMNS, Texts};
+use crate::sql::{COLUMNS, ROW_EXTRAS, Texts};
 use crate::tables::OutboxTables;
 
 /// The statements both dialects send, in Postgres' words.
@@ -152,8 +152,9 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
              FROM {o} WHERE state IN ({OPEN_STATES})"
         )
         .into(),
+        inspect: format!("SELECT {COLUMNS}, {ROW_EXTRAS} FROM {o} WHERE id = $1").into(),
         list: format!(
-            "SELECT {COLUMNS} FROM {o} WHERE state = $1 AND ($2::text IS NULL OR name = $2) \
+            "SELECT {COLUMNS}, {ROW_EXTRAS} FROM {o} WHERE state = $1 AND ($2::text IS NULL OR name = $2) \
              ORDER BY created_at, id LIMIT $3"
         )
         .into(),

@@ -10,11 +10,13 @@ use sqlx::{AssertSqlSafe, Row, Sqlite, SqliteConnection, SqlitePool, Transaction
 
 use super::sql;
 use crate::driver::sealed::{
-    Backend, Enqueue, Lease, MigrationBackend, RepositoryBackend, RowsAffected,
+    Backend, Enqueue, Lease, MigrationBackend, RepositoryBackend, RowExtras, RowsAffected,
 };
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
-use crate::row::{RawRow, bind_content, bind_ordering, first_id, get, headers_json, read};
+use crate::row::{
+    RawRow, Stored, bind_content, bind_ordering, first_id, get, headers_json, read,
+};
 use crate::sql::{SqlStatements, statement};
 use crate::tables::Dialect;
 use crate::time::format_timestamp;
@@ -59,6 +61,18 @@ impl Backend for Sqlite {
 
     fn decode(row: &SqliteRow) -> Result<OutboxMessage> {
         read::<_, &str, &str, &str, i64>(row)?.into_message()
+    }
+
+    fn decode_extras(row: &SqliteRow, id: &str) -> Result<RowExtras> {
+        let first = crate::sql::COLUMN_COUNT;
+        let claimed_until: Option<&str> = get(row, id, first + 1, "claimed_until")?;
+        Ok((
+            get(row, id, first, "claim_token")?,
+            claimed_until
+                .map(|time| Stored::into_value(time, id, "claimed_until"))
+                .transpose()?,
+            get(row, id, first + 2, "ordering_key")?,
+        ))
     }
 
     async fn insert_row(on: &mut Enqueue<'_, Self>, record: &PreparedOutboxRecord) -> Result<bool> {

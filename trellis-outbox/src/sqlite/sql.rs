@@ -8,7 +8,7 @@ use crate::dispatch::KNOWN_STATES;
 use crate::sql::OPEN_STATES;
 #[cfg(feature = "sqlite")]
 use crate::sql::SqlStatements;
-use crate::sql::{COLUMNS, Texts};
+use crate::sql::{COLUMNS, ROW_EXTRAS, Texts};
 use crate::tables::OutboxTables;
 
 /// SQLite's current time in the stored format, `YYYY-MM-DDTHH:MM:SS.SSSZ`.
@@ -166,8 +166,9 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
              FROM {o} WHERE state IN ({OPEN_STATES})"
         )
         .into(),
+        inspect: format!("SELECT {COLUMNS}, {ROW_EXTRAS} FROM {o} WHERE id = ?").into(),
         list: format!(
-            "SELECT {COLUMNS} FROM {o} WHERE state = ?1 AND (?2 IS NULL OR name = ?2) \
+            "SELECT {COLUMNS}, {ROW_EXTRAS} FROM {o} WHERE state = ?1 AND (?2 IS NULL OR name = ?2) \
              ORDER BY created_at, id LIMIT ?3"
         )
         .into(),
