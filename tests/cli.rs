@@ -304,6 +304,75 @@ async fn list_text_escapes_control_characters_and_json_keeps_them() {
     assert_eq!(json[0]["last_error"], json!(error));
 }
 
+// Audit: `status --json` had no `undispatched` count and left out states without rows. Every
+// count is there, 0 when none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_json_has_every_count() {
+    let db = TestSqlite::new().await;
+    migrate(&db.pool).await.unwrap();
+    let url = sqlite_url(&db);
+    let empty: Value =
+        serde_json::from_str(&run_on(&url, &["status", "--json"]).await.unwrap()).unwrap();
+    assert_eq!(
+        empty,
+        json!({
+            "counts": {"pending": 0, "claimed": 0, "failed": 0, "dispatched": 0, "dead": 0},
+            "undispatched": 0,
+            "oldest_undispatched": null,
+            "blocked_keys": [],
+            "blocked_keys_total": 0,
+        })
+    );
+    let records = [placed(0), placed(1), placed(2)];
+    enqueue(&db.pool, &records).await;
+    sqlx::query("UPDATE trellis_outbox SET state = 'failed' WHERE id = ?")
+        .bind(&records[0].id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let busy: Value =
+        serde_json::from_str(&run_on(&url, &["status", "--json"]).await.unwrap()).unwrap();
+    assert_eq!(
+        busy["counts"],
+        json!({"pending": 2, "claimed": 0, "failed": 1, "dispatched": 0, "dead": 0})
+    );
+    assert_eq!(busy["undispatched"], json!(3));
+    let text = run_on(&url, &["status"]).await.unwrap();
+    assert!(
+        text.contains("dispatched 0") && text.contains("undispatched 3"),
+        "{text}"
+    );
+}
+
+// Audit: `status` showed at most 100 blocked keys and did not say there were more. The text
+// says how many more, the JSON gives the total.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_says_how_many_blocked_keys_it_leaves_out() {
+    let db = TestSqlite::new().await;
+    migrate(&db.pool).await.unwrap();
+    // 103 keys, each a dead head with one row waiting behind it.
+    let records: Vec<_> = (0..206)
+        .map(|n| placed(n).ordered_by(format!("key-{:03}", n / 2)))
+        .collect();
+    enqueue(&db.pool, &records).await;
+    sqlx::query("UPDATE trellis_outbox SET state = 'dead' WHERE ordering_seq = 1")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let url = sqlite_url(&db);
+    let text = run_on(&url, &["status"]).await.unwrap();
+    let shown = text.lines().filter(|l| l.starts_with("blocked    key ")).count();
+    assert_eq!(shown, trellis_outbox::BLOCKED_KEYS_SHOWN, "{text}");
+    assert!(
+        text.contains("blocked    … and 3 more blocked keys (103 in all)"),
+        "{text}"
+    );
+    let json: Value =
+        serde_json::from_str(&run_on(&url, &["status", "--json"]).await.unwrap()).unwrap();
+    assert_eq!(json["blocked_keys"].as_array().unwrap().len(), 100);
+    assert_eq!(json["blocked_keys_total"], json!(103));
+}
+
 // Audit: on SQLite the lag was NULL as soon as one undispatched row's `created_at` was text
 // that is not a time (another writer's), and a number read as a Julian day gave a lag of
 // millennia. Such values are left out of the lag; the status and the backlog gauge still

@@ -15,29 +15,64 @@ use crate::sql_repository::SqlOutboxRepository;
 /// How an outbox stands: rows per state, how long the oldest undispatched row has waited, and
 /// the ordering keys blocked by a dead head.
 ///
+/// Its JSON form (`trellis-outbox status --json`) always has every field: `counts` with
+/// every state (`0` when none), `undispatched`, `oldest_undispatched` (seconds, `null` when
+/// nothing waits), `blocked_keys` (at most [`BLOCKED_KEYS_SHOWN`]) and `blocked_keys_total`.
+///
 /// ```
-/// use std::collections::BTreeMap;
 /// use trellis_outbox::OutboxStatus;
 ///
 /// let status = OutboxStatus::default();
 /// assert_eq!(status.undispatched(), 0);
 /// assert_eq!(status.count("dead"), 0);
+/// let json = serde_json::to_value(&status)?;
+/// assert_eq!(json["counts"]["dead"], 0);
+/// assert_eq!(json["undispatched"], 0);
+/// assert_eq!(json["blocked_keys_total"], 0);
+/// # Ok::<(), serde_json::Error>(())
 /// ```
-#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq)]
 #[non_exhaustive]
 pub struct OutboxStatus {
     /// Rows per stored state (`pending`, `claimed`, `failed`, `dispatched`, `dead`, or a
-    /// state another writer stored).
+    /// state another writer stored). [`SqlOutboxRepository::status`] lists every known state,
+    /// with 0 when it has no rows.
     pub counts: BTreeMap<String, u64>,
     /// How long the oldest row not yet dispatched (pending, claimed or failed) has waited
     /// since it was enqueued, on the database's clock: the outbox's lag.
-    #[serde(with = "seconds")]
     pub oldest_undispatched: Option<Duration>,
     /// Ordering keys held by a dead head under [`HeadOfLine::Block`](crate::HeadOfLine::Block)
     /// (at most [`BLOCKED_KEYS_SHOWN`]), by key: each waits for an operator's retry of its
-    /// head. Left out of the JSON form when empty.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    /// head.
     pub blocked_keys: Vec<BlockedKey>,
+    /// How many keys are blocked in all: more than `blocked_keys` holds when there are more
+    /// than [`BLOCKED_KEYS_SHOWN`].
+    pub blocked_keys_total: u64,
+}
+
+impl serde::Serialize for OutboxStatus {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct as _;
+
+        // Every known state, also in a status built by hand.
+        let mut counts = self.counts.clone();
+        for state in STATES {
+            counts.entry(state.as_str().to_owned()).or_default();
+        }
+        let mut out = serializer.serialize_struct("OutboxStatus", 5)?;
+        out.serialize_field("counts", &counts)?;
+        out.serialize_field("undispatched", &self.undispatched())?;
+        out.serialize_field(
+            "oldest_undispatched",
+            &self.oldest_undispatched.map(|age| age.as_secs_f64()),
+        )?;
+        out.serialize_field("blocked_keys", &self.blocked_keys)?;
+        out.serialize_field(
+            "blocked_keys_total",
+            &self.blocked_keys_total.max(self.blocked_keys.len() as u64),
+        )?;
+        out.end()
+    }
 }
 
 /// One stored row as an operator sees it: the message, and what a message does not carry —
@@ -108,20 +143,14 @@ pub struct BlockedKey {
     pub waiting: u64,
 }
 
-/// `Option<Duration>` as fractional seconds in JSON.
-mod seconds {
-    use std::time::Duration;
-
-    pub(super) fn serialize<S: serde::Serializer>(
-        value: &Option<Duration>,
-        serializer: S,
-    ) -> Result<S::Ok, S::Error> {
-        match value {
-            Some(duration) => serializer.serialize_some(&duration.as_secs_f64()),
-            None => serializer.serialize_none(),
-        }
-    }
-}
+/// Every state trellis-outbox writes or knows (upstream Trellis writes `claimed`).
+const STATES: [OutboxMessageState; 5] = [
+    OutboxMessageState::Pending,
+    OutboxMessageState::Claimed,
+    OutboxMessageState::Failed,
+    OutboxMessageState::Dispatched,
+    OutboxMessageState::Dead,
+];
 
 /// The states whose rows are still to be dispatched.
 const UNDISPATCHED: [OutboxMessageState; 3] = [
@@ -154,6 +183,9 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
             .await
             .map_err(Error::repository("status"))?;
         let mut status = OutboxStatus::default();
+        for state in STATES {
+            status.counts.insert(state.as_str().to_owned(), 0);
+        }
         for (state, count, age) in rows {
             let undispatched = UNDISPATCHED.iter().any(|s| s.as_str() == state);
             let age = age.map(crate::dispatch::due_in);
@@ -165,8 +197,34 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
         }
         if status.count("dead") > 0 {
             status.blocked_keys = self.blocked_keys(BLOCKED_KEYS_SHOWN).await?;
+            status.blocked_keys_total = status.blocked_keys.len() as u64;
+            if status.blocked_keys.len() >= BLOCKED_KEYS_SHOWN {
+                status.blocked_keys_total = self.blocked_key_count().await?;
+            }
         }
         Ok(status)
+    }
+
+    /// How many ordering keys are held by a dead head under
+    /// [`HeadOfLine::Block`](crate::HeadOfLine::Block) (all of them, unlike
+    /// [`blocked_keys`](Self::blocked_keys)).
+    ///
+    /// ```no_run
+    /// # async fn run(repository: trellis_outbox::PgOutboxRepository) -> trellis_outbox::Result<()> {
+    /// let shown = repository.blocked_keys(10).await?;
+    /// let total = repository.blocked_key_count().await?;
+    /// println!("{} of {total} blocked keys", shown.len());
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Repository`] if the query fails.
+    pub async fn blocked_key_count(&self) -> Result<u64> {
+        let count = DB::fetch_count(self.pool(), &self.statements().text.blocked_key_count)
+            .await
+            .map_err(Error::repository("count blocked keys"))?;
+        Ok(u64::try_from(count).unwrap_or(0))
     }
 
     /// Up to `limit` ordering keys held by a dead head under

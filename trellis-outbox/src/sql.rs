@@ -50,9 +50,22 @@ pub(crate) fn blocked_keys(o: &str, limit: &str) -> String {
         "SELECT (SELECT count(*) FROM {o} AS w WHERE w.ordering_key = d.ordering_key \
          AND w.ordering_seq > d.ordering_seq AND w.state <> 'dispatched') AS waiting, \
          d.ordering_key, d.id FROM {o} AS d \
-         WHERE d.ordering_key IS NOT NULL AND d.state = 'dead' AND d.ordering_skip_dead IS NOT TRUE \
-         AND {head} ORDER BY d.ordering_key LIMIT {limit}",
-        head = head_test(o, "d"),
+         WHERE {heads} ORDER BY d.ordering_key LIMIT {limit}",
+        heads = blocking_heads(o),
+    )
+}
+
+/// How many keys [`blocked_keys`] would list without a limit.
+pub(crate) fn blocked_key_count(o: &str) -> String {
+    format!("SELECT count(*) FROM {o} AS d WHERE {}", blocking_heads(o))
+}
+
+/// Whether the row `d` is a dead head that blocks its key (policy `block`).
+fn blocking_heads(o: &str) -> String {
+    format!(
+        "d.ordering_key IS NOT NULL AND d.state = 'dead' AND d.ordering_skip_dead IS NOT TRUE \
+         AND {}",
+        head_test(o, "d")
     )
 }
 
@@ -192,6 +205,8 @@ texts! {
     /// Keys held by a dead head under the `block` policy (limit): rows waiting behind it,
     /// the key, the head's id; by key.
     blocked_keys,
+    /// How many keys are held by a dead head under the `block` policy.
+    blocked_key_count,
 }
 
 impl SqlStatements {

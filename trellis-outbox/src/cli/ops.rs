@@ -196,7 +196,19 @@ async fn on<DB: OutboxDatabase>(
                     writeln!(
                         out,
                         "blocked    key {} behind dead {} ({} waiting)",
-                        blocked.key, blocked.head_id, blocked.waiting
+                        escaped(&blocked.key),
+                        escaped(&blocked.head_id),
+                        blocked.waiting
+                    )?;
+                }
+                let more = status
+                    .blocked_keys_total
+                    .saturating_sub(status.blocked_keys.len() as u64);
+                if more > 0 {
+                    writeln!(
+                        out,
+                        "blocked    … and {more} more blocked keys ({} in all)",
+                        status.blocked_keys_total
                     )?;
                 }
             }

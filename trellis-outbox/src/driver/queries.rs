@@ -59,6 +59,7 @@ macro_rules! queries {
             for<'r> (i64, String, String, String): sqlx::FromRow<'r, DB::Row>,
             for<'r> (String, i64, Option<f64>): sqlx::FromRow<'r, DB::Row>,
             for<'r> (i64, Option<f64>): sqlx::FromRow<'r, DB::Row>,
+            for<'r> (i64,): sqlx::FromRow<'r, DB::Row>,
             for<'r> String: Decode<'r, DB> + Type<DB>,
             usize: sqlx::ColumnIndex<DB::Row>,
             DB::QueryResult: RowsAffected,
@@ -91,7 +92,7 @@ queries! {
 
     /// Runs `sql`, which answers one nullable number.
     fn fetch_seconds<'a>(pool: &'a Pool<Self>, sql: &'a Arc<str>) -> sqlx::Result<Option<f64>> {
-        sqlx::query_scalar(statement(sql)).fetch_one(pool).await
+        sqlx::query_scalar::<_, Option<f64>>(statement(sql)).fetch_one(pool).await
     }
 
     /// Runs `sql`, which answers pairs of a text and a nullable text, read as `T`.
@@ -108,6 +109,12 @@ queries! {
         sql: &'a Arc<str>,
     ) -> sqlx::Result<Vec<(String, i64, Option<f64>)>> {
         sqlx::query_as(statement(sql)).fetch_all(pool).await
+    }
+
+    /// Runs `sql`, which answers one count.
+    fn fetch_count<'a>(pool: &'a Pool<Self>, sql: &'a Arc<str>) -> sqlx::Result<i64> {
+        let (count,): (i64,) = sqlx::query_as(statement(sql)).fetch_one(pool).await?;
+        Ok(count)
     }
 
     /// Runs `sql`, which answers one row of a count and a nullable number of seconds.
@@ -217,6 +224,6 @@ queries! {
         sql: &'static str,
         outbox: &'a str,
     ) -> sqlx::Result<Vec<String>> {
-        sqlx::query_scalar(sql).bind(outbox).fetch_all(&mut **tx).await
+        sqlx::query_scalar::<_, String>(sql).bind(outbox).fetch_all(&mut **tx).await
     }
 }

@@ -159,6 +159,7 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
         )
         .into(),
         blocked_keys: crate::sql::blocked_keys(o, "$1").into(),
+        blocked_key_count: crate::sql::blocked_key_count(o).into(),
         retry_dead: format!(
             "UPDATE {o} SET state = 'pending', attempts = 0, updated_at = now(), \
              next_attempt_at = NULL, claimed_until = NULL, claim_token = NULL \
