@@ -35,8 +35,12 @@ fn pg_url(db: &TestPg) -> String {
 
 /// An event record of `Orders.Placed` on `events.v1.orders.<n>`.
 fn placed(n: usize) -> PreparedOutboxRecord {
-    PreparedOutboxRecord::event("Orders.Placed", format!("events.v1.orders.{n}"), &json!({"n": n}))
-        .unwrap()
+    PreparedOutboxRecord::event(
+        "Orders.Placed",
+        format!("events.v1.orders.{n}"),
+        &json!({"n": n}),
+    )
+    .unwrap()
 }
 
 /// Enqueues `records` in one transaction.
@@ -223,15 +227,26 @@ async fn list_and_inspect_show_leases_and_ordering_keys(url: &str, lease: &str) 
         !lines[1].contains("ordering_key=") && !lines[1].contains("claim_token="),
         "{list}"
     );
-    let json: Value =
-        serde_json::from_str(&run_on(url, &["list", "--state", "pending", "--json"]).await.unwrap())
-            .unwrap();
+    let json: Value = serde_json::from_str(
+        &run_on(url, &["list", "--state", "pending", "--json"])
+            .await
+            .unwrap(),
+    )
+    .unwrap();
     assert_eq!(
-        (&json[0]["claim_token"], &json[0]["claimed_until"], &json[0]["ordering_key"]),
+        (
+            &json[0]["claim_token"],
+            &json[0]["claimed_until"],
+            &json[0]["ordering_key"]
+        ),
         (&json!("token-1"), &json!(lease), &json!("order-42"))
     );
     assert_eq!(
-        (&json[1]["claim_token"], &json[1]["claimed_until"], &json[1]["ordering_key"]),
+        (
+            &json[1]["claim_token"],
+            &json[1]["claimed_until"],
+            &json[1]["ordering_key"]
+        ),
         (&Value::Null, &Value::Null, &Value::Null)
     );
     let id = json[0]["id"].as_str().unwrap();
@@ -298,9 +313,12 @@ async fn list_text_escapes_control_characters_and_json_keeps_them() {
         )),
         "{text}"
     );
-    let json: Value =
-        serde_json::from_str(&run_on(&url, &["list", "--state", "dead", "--json"]).await.unwrap())
-            .unwrap();
+    let json: Value = serde_json::from_str(
+        &run_on(&url, &["list", "--state", "dead", "--json"])
+            .await
+            .unwrap(),
+    )
+    .unwrap();
     assert_eq!(json[0]["last_error"], json!(error));
 }
 
@@ -361,7 +379,10 @@ async fn status_says_how_many_blocked_keys_it_leaves_out() {
         .unwrap();
     let url = sqlite_url(&db);
     let text = run_on(&url, &["status"]).await.unwrap();
-    let shown = text.lines().filter(|l| l.starts_with("blocked    key ")).count();
+    let shown = text
+        .lines()
+        .filter(|l| l.starts_with("blocked    key "))
+        .count();
     assert_eq!(shown, trellis_outbox::BLOCKED_KEYS_SHOWN, "{text}");
     assert!(
         text.contains("blocked    … and 3 more blocked keys (103 in all)"),
@@ -385,7 +406,10 @@ async fn sqlite_lag_ignores_created_at_values_that_are_not_times() {
     migrate(&db.pool).await.unwrap();
     let records = [placed(0), placed(1), placed(2), placed(3)];
     enqueue(&db.pool, &records).await;
-    for (record, created_at) in records.iter().zip([json!(""), json!("yesterday"), json!(12345)]) {
+    for (record, created_at) in records
+        .iter()
+        .zip([json!(""), json!("yesterday"), json!(12345)])
+    {
         let query = sqlx::query("UPDATE trellis_outbox SET created_at = ? WHERE id = ?");
         let query = match created_at {
             Value::Number(n) => query.bind(n.as_i64().unwrap()),
@@ -394,7 +418,9 @@ async fn sqlite_lag_ignores_created_at_values_that_are_not_times() {
         query.bind(&record.id).execute(&db.pool).await.unwrap();
     }
     let status: Value = serde_json::from_str(
-        &run_on(&sqlite_url(&db), &["status", "--json"]).await.unwrap(),
+        &run_on(&sqlite_url(&db), &["status", "--json"])
+            .await
+            .unwrap(),
     )
     .unwrap();
     assert_eq!(status["counts"]["pending"], json!(4), "{status}");
@@ -410,4 +436,103 @@ async fn sqlite_lag_ignores_created_at_values_that_are_not_times() {
         backlog.oldest.is_some_and(|age| age.as_secs() < 3600),
         "{backlog:?}"
     );
+}
+
+/// Whether a wake-up arrives on `listener` within `wait`.
+async fn woken(listener: &mut sqlx::postgres::PgListener, wait: std::time::Duration) -> bool {
+    tokio::time::timeout(wait, listener.recv()).await.is_ok()
+}
+
+/// The states of `records`' rows, in order.
+async fn states(pool: &sqlx::PgPool, records: &[PreparedOutboxRecord]) -> Vec<String> {
+    let mut states = Vec::new();
+    for record in records {
+        let state: String = sqlx::query_scalar("SELECT state FROM trellis_outbox WHERE id = $1")
+            .bind(&record.id)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        states.push(state);
+    }
+    states
+}
+
+// Audit: `retry --all-dead` had neither a limit nor a dry run, and no retry woke the
+// dispatchers (an enqueue sends a NOTIFY; a retried row waited for the next poll).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_retry_has_a_limit_and_a_dry_run_and_wakes_dispatchers() {
+    use std::time::Duration;
+
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let records: Vec<_> = (0..4).map(placed).collect();
+    enqueue(&db.pool, &records).await;
+    sqlx::query("UPDATE trellis_outbox SET state = 'dead' WHERE id <> $1")
+        .bind(&records[3].id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    // Listening after the enqueue's commit: only what the tool sends arrives.
+    let mut listener = sqlx::postgres::PgListener::connect_with(&db.pool)
+        .await
+        .unwrap();
+    listener.listen("trellis_outbox_wakeup").await.unwrap();
+    let url = pg_url(&db);
+
+    let dry = run_on(&url, &["retry", "--all-dead", "--dry-run"])
+        .await
+        .unwrap();
+    assert_eq!(dry, "would retry 3 dead rows (dry run: nothing changed)\n");
+    let dry = run_on(&url, &["retry", "--all-dead", "--limit", "2", "--dry-run"])
+        .await
+        .unwrap();
+    assert_eq!(dry, "would retry 2 dead rows (dry run: nothing changed)\n");
+    assert_eq!(
+        states(&db.pool, &records).await,
+        ["dead", "dead", "dead", "pending"]
+    );
+    assert!(
+        !woken(&mut listener, Duration::from_millis(300)).await,
+        "a dry run woke"
+    );
+
+    let retried = run_on(&url, &["retry", "--all-dead", "--limit", "2"])
+        .await
+        .unwrap();
+    assert_eq!(retried, "retried 2 dead rows\n");
+    assert_eq!(
+        states(&db.pool, &records).await,
+        ["pending", "pending", "dead", "pending"],
+        "the oldest first"
+    );
+    assert!(
+        woken(&mut listener, Duration::from_secs(5)).await,
+        "no wake-up after --all-dead"
+    );
+
+    let one = run_on(&url, &["retry", &records[2].id]).await.unwrap();
+    assert!(one.contains("retried"), "{one}");
+    assert!(
+        woken(&mut listener, Duration::from_secs(5)).await,
+        "no wake-up after retry <id>"
+    );
+
+    // The options of --all-dead are refused with ids (`--name` was silently ignored).
+    for option in [
+        &["--limit", "2"][..],
+        &["--dry-run"],
+        &["--name", "Orders.Placed"],
+    ] {
+        let args: Vec<&str> = ["retry"]
+            .iter()
+            .chain(option)
+            .chain([&*records[0].id].iter())
+            .copied()
+            .collect();
+        let err = run_on(&url, &args).await.unwrap_err();
+        assert!(err.contains("cannot be used with"), "{err}");
+    }
+    // The listener holds a connection of the pool, which `close` waits for.
+    drop(listener);
+    db.close().await;
 }

@@ -263,7 +263,10 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
         limit: usize,
     ) -> Result<Vec<std::result::Result<OutboxMessage, PoisonRow>>> {
         let rows = self.list_rows(state, name, limit).await?;
-        Ok(rows.into_iter().map(|row| row.map(|row| row.message)).collect())
+        Ok(rows
+            .into_iter()
+            .map(|row| row.map(|row| row.message))
+            .collect())
     }
 
     /// [`list`](Self::list) with each row's lease (`claim_token`, `claimed_until`) and
@@ -362,14 +365,53 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
 
     /// Moves every `dead` row — of event name or queue `name`, if given — back to `pending`,
     /// due now with its attempts reset (bulk replay); returns how many. Dead rows hold no
-    /// lease, so no dispatcher is publishing them.
+    /// lease, so no dispatcher is publishing them. Running dispatchers are woken (on
+    /// Postgres, a `NOTIFY` on the outbox's channel, as an enqueue sends), so one listening
+    /// picks the rows up at once.
     ///
     /// # Errors
     ///
     /// [`Error::Repository`] if the statement fails.
     pub async fn retry_dead(&self, name: Option<&str>) -> Result<u64> {
-        DB::execute_one(self.pool(), &self.statements().text.retry_dead, name)
+        self.retry_dead_at_most(name, usize::MAX).await
+    }
+
+    /// [`retry_dead`](Self::retry_dead) of at most `limit` rows, the oldest first.
+    ///
+    /// ```no_run
+    /// # async fn run(repository: trellis_outbox::PgOutboxRepository) -> trellis_outbox::Result<()> {
+    /// let waiting = repository.count_dead(Some("Orders.Shipped"), 500).await?;
+    /// let retried = repository.retry_dead_at_most(Some("Orders.Shipped"), 500).await?;
+    /// println!("retried {retried} of the {waiting} oldest dead rows");
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Repository`] if the statement fails.
+    pub async fn retry_dead_at_most(&self, name: Option<&str>, limit: usize) -> Result<u64> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let retried =
+            DB::execute_named(self.pool(), &self.statements().text.retry_dead, name, limit)
+                .await
+                .map_err(Error::repository("retry dead rows"))?;
+        if retried > 0 {
+            self.wake_dispatchers().await;
+        }
+        Ok(retried)
+    }
+
+    /// How many rows [`retry_dead_at_most`](Self::retry_dead_at_most) would retry now: `dead`
+    /// rows of `name` (if given), at most `limit`. Changes nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Repository`] if the query fails.
+    pub async fn count_dead(&self, name: Option<&str>, limit: usize) -> Result<u64> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let count = DB::count_named(self.pool(), &self.statements().text.count_dead, name, limit)
             .await
-            .map_err(Error::repository("retry dead rows"))
+            .map_err(Error::repository("count dead rows"))?;
+        Ok(u64::try_from(count).unwrap_or(0))
     }
 }

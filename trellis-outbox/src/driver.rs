@@ -170,7 +170,12 @@ pub(crate) mod sealed {
         fn decode_row(row: &Self::Row) -> Result<OutboxRow> {
             let message = Self::decode(row)?;
             let (claim_token, claimed_until, ordering_key) = Self::decode_extras(row, &message.id)?;
-            Ok(OutboxRow::new(message, claim_token, claimed_until, ordering_key))
+            Ok(OutboxRow::new(
+                message,
+                claim_token,
+                claimed_until,
+                ordering_key,
+            ))
         }
 
         /// Runs the single-row `enqueue` of `record`, a `pending` row at `on.now`: whether it
@@ -345,6 +350,11 @@ pub(crate) mod sealed {
             on: On<'a, Self>,
             id: &'a str,
         ) -> impl Future<Output = Result<RetryOutcome>> + Send + 'a;
+
+        /// Tells running dispatchers that rows are due now (after an operator's retry), as an
+        /// enqueue does: on Postgres a `NOTIFY` on the outbox's channel; nothing on SQLite,
+        /// which has no notifications between processes.
+        fn wake<'a>(on: On<'a, Self>) -> impl Future<Output = sqlx::Result<()>> + Send + 'a;
     }
 }
 

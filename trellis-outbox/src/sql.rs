@@ -200,8 +200,11 @@ texts! {
     list,
     /// One stored row by id, [`COLUMNS`] and [`ROW_EXTRAS`].
     inspect,
-    /// Moves every `dead` row (of a name, or NULL for all) back to `pending`, due now.
+    /// Moves the oldest `dead` rows (of a name, or NULL for all; at most a limit) back to
+    /// `pending`, due now.
     retry_dead,
+    /// How many rows `retry_dead` would move (name or NULL, limit).
+    count_dead,
     /// Keys held by a dead head under the `block` policy (limit): rows waiting behind it,
     /// the key, the head's id; by key.
     blocked_keys,

@@ -122,9 +122,10 @@ enum Command {
         /// The row's id.
         id: String,
     },
-    /// Make failed or dead rows due again now (bulk replay with --all-dead).
+    /// Make failed or dead rows due again now (bulk replay with --all-dead) and wake the
+    /// dispatchers (Postgres NOTIFY).
     #[command(
-        after_help = "Examples:\n  trellis-outbox retry 01J9ZK3V8Q2W4E6R8T0Y1U3I5O\n  trellis-outbox retry --all-dead --name Orders.Shipped"
+        after_help = "Examples:\n  trellis-outbox retry 01J9ZK3V8Q2W4E6R8T0Y1U3I5O\n  trellis-outbox retry --all-dead --name Orders.Shipped --limit 100 --dry-run"
     )]
     Retry {
         /// The rows' ids.
@@ -134,8 +135,16 @@ enum Command {
         #[arg(long)]
         all_dead: bool,
         /// With --all-dead: only rows of this event name or job queue.
-        #[arg(long, requires = "all_dead")]
+        // Not `requires = "all_dead"`: clap counts the flag's default (false) as present. Without
+        // ids, --all-dead is required anyway.
+        #[arg(long, conflicts_with = "ids")]
         name: Option<String>,
+        /// With --all-dead: at most this many rows, the oldest first.
+        #[arg(long, conflicts_with = "ids", value_parser = clap::value_parser!(u64).range(1..))]
+        limit: Option<u64>,
+        /// With --all-dead: print how many rows would be retried, and change nothing.
+        #[arg(long, conflicts_with = "ids")]
+        dry_run: bool,
     },
     /// Delete old dispatched rows and/or old inbox rows (dead rows are never deleted).
     #[command(

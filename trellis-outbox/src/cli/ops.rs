@@ -219,7 +219,9 @@ async fn on<DB: OutboxDatabase>(
             name,
             json,
         } => {
-            let rows = repo.list_rows(state.state(), name.as_deref(), limit).await?;
+            let rows = repo
+                .list_rows(state.state(), name.as_deref(), limit)
+                .await?;
             if json {
                 let rows: Vec<serde_json::Value> = rows
                     .into_iter()
@@ -280,10 +282,21 @@ async fn on<DB: OutboxDatabase>(
             ids,
             all_dead,
             name,
+            limit,
+            dry_run,
         } => {
             if all_dead {
-                let retried = repo.retry_dead(name.as_deref()).await?;
-                writeln!(out, "retried {retried} dead rows")?;
+                let limit = limit.map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX));
+                if dry_run {
+                    let count = repo.count_dead(name.as_deref(), limit).await?;
+                    writeln!(
+                        out,
+                        "would retry {count} dead rows (dry run: nothing changed)"
+                    )?;
+                } else {
+                    let retried = repo.retry_dead_at_most(name.as_deref(), limit).await?;
+                    writeln!(out, "retried {retried} dead rows")?;
+                }
             } else {
                 let mut refused = Vec::new();
                 for id in &ids {
@@ -340,7 +353,9 @@ fn lease(row: &crate::admin::OutboxRow) -> String {
         (None, None) => String::new(),
         (token, until) => format!(
             "  claim_token={}  claimed_until={}",
-            token.as_deref().map_or(std::borrow::Cow::Borrowed("none"), escaped),
+            token
+                .as_deref()
+                .map_or(std::borrow::Cow::Borrowed("none"), escaped),
             until.map_or_else(|| "none".to_owned(), crate::time::format_timestamp)
         ),
     }

@@ -146,13 +146,27 @@ queries! {
         sqlx::query_as(statement(sql)).bind(limit).fetch_all(pool).await
     }
 
-    /// Runs `sql` binding `value` (NULL for none); the rows it changed.
-    fn execute_one<'a>(
+    /// Runs `sql` binding a name (NULL for any) and a limit; the rows it changed.
+    fn execute_named<'a>(
         pool: &'a Pool<Self>,
         sql: &'a Arc<str>,
-        value: Option<&'a str>,
+        name: Option<&'a str>,
+        limit: i64,
     ) -> sqlx::Result<u64> {
-        Ok(sqlx::query(statement(sql)).bind(value).execute(pool).await?.rows_affected())
+        let query = sqlx::query(statement(sql)).bind(name).bind(limit);
+        Ok(query.execute(pool).await?.rows_affected())
+    }
+
+    /// Runs `sql` binding a name (NULL for any) and a limit; the count it answers.
+    fn count_named<'a>(
+        pool: &'a Pool<Self>,
+        sql: &'a Arc<str>,
+        name: Option<&'a str>,
+        limit: i64,
+    ) -> sqlx::Result<i64> {
+        let query = sqlx::query_as(statement(sql)).bind(name).bind(limit);
+        let (count,): (i64,) = query.fetch_one(pool).await?;
+        Ok(count)
     }
 
     /// Runs `sql` binding an age in seconds and a limit; the rows it deleted.

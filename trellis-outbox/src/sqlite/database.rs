@@ -14,9 +14,7 @@ use crate::driver::sealed::{
 };
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
-use crate::row::{
-    RawRow, Stored, bind_content, bind_ordering, first_id, get, headers_json, read,
-};
+use crate::row::{RawRow, Stored, bind_content, bind_ordering, first_id, get, headers_json, read};
 use crate::sql::{SqlStatements, statement};
 use crate::tables::Dialect;
 use crate::time::format_timestamp;

@@ -174,12 +174,15 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
         .into(),
         blocked_keys: crate::sql::blocked_keys(o, "?1").into(),
         blocked_key_count: crate::sql::blocked_key_count(o).into(),
+        // ?1 name or NULL, ?2 limit: the oldest first.
         retry_dead: format!(
             "UPDATE {o} SET state = 'pending', attempts = 0, updated_at = {NOW}, \
              next_attempt_at = NULL, claimed_until = NULL, claim_token = NULL \
-             WHERE state = 'dead' AND (?1 IS NULL OR name = ?1)"
+             WHERE id IN ({dead}) AND state = 'dead'",
+            dead = dead_rows(o, "id"),
         )
         .into(),
+        count_dead: format!("SELECT count(*) FROM ({}) AS dead", dead_rows(o, "1")).into(),
         // Stored times have millisecond precision, but a julianday is a double of about
         // 2.46 million days, off by up to ~50 µs: the difference is rounded to whole
         // milliseconds, so a row due in 500 ms is never reported due in 500.017 ms.
@@ -193,6 +196,14 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
         )
         .into(),
     }
+}
+
+/// `what` of the oldest `dead` rows of `?1` (a name, or NULL for any), at most `?2`.
+fn dead_rows(o: &str, what: &str) -> String {
+    format!(
+        "SELECT {what} FROM {o} WHERE state = 'dead' AND (?1 IS NULL OR name = ?1) \
+         ORDER BY created_at, id LIMIT ?2"
+    )
 }
 
 /// The statements only SQLite sends.
