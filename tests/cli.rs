@@ -536,3 +536,59 @@ async fn pg_retry_has_a_limit_and_a_dry_run_and_wakes_dispatchers() {
     drop(listener);
     db.close().await;
 }
+
+// Audit: the relay's progress line ran `status()`, a `GROUP BY` over the whole table, every
+// period. It now reads `progress()`: only the rows not dispatched, through the index on
+// `state`. With 20,000 dispatched rows, its plan reads no table sequentially, and it
+// counts what `status()` counts for the other states.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_progress_reads_only_rows_not_dispatched() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    sqlx::query(
+        "INSERT INTO trellis_outbox (id, kind, name, subject, payload, headers, state, attempts, created_at, updated_at) \
+         SELECT 'done-' || n, 'event.publish', 'Orders.Placed', 'events.v1.orders.done', '{}', '{}'::jsonb, \
+         'dispatched', 0, now(), now() FROM generate_series(1, 20000) AS n",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let records = [placed(0), placed(1), placed(2)];
+    enqueue(&db.pool, &records).await;
+    sqlx::query("UPDATE trellis_outbox SET state = 'dead' WHERE id = $1")
+        .bind(&records[0].id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("ANALYZE trellis_outbox")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+
+    let sql = trellis_outbox::Outbox::default()
+        .sql(trellis_outbox::Dialect::Postgres)
+        .progress()
+        .to_owned();
+    let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN {sql}")))
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    let plan = plan.join("\n");
+    assert!(
+        !plan.contains("Seq Scan") && plan.contains("trellis_outbox_due_idx"),
+        "{plan}"
+    );
+
+    let repository = trellis_outbox::PgOutboxRepository::new(db.pool.clone());
+    let progress = repository.progress().await.unwrap();
+    let status = repository.status().await.unwrap();
+    assert_eq!(progress.undispatched(), 2);
+    assert_eq!(progress.count("dead"), 1);
+    assert!(!progress.counts.contains_key("dispatched"), "{progress:?}");
+    assert_eq!(status.count("dispatched"), 20_000);
+    assert_eq!(
+        progress.oldest_undispatched.is_some(),
+        status.oldest_undispatched.is_some()
+    );
+    db.close().await;
+}

@@ -195,6 +195,10 @@ texts! {
     status,
     /// Undispatched rows and the age in seconds of the oldest (NULL when none).
     backlog,
+    /// `status` of the rows not dispatched only (`pending`, `claimed`, `failed`, `dead`),
+    /// read through the index on `state` (`<outbox>_due_idx`): it never reads the dispatched
+    /// rows, however many the table keeps.
+    progress,
     /// Rows in a state (state, name or NULL for any, limit), oldest first, [`COLUMNS`] and
     /// [`ROW_EXTRAS`].
     list,
@@ -266,6 +270,21 @@ impl SqlStatements {
     /// The inbox insert: upstream's statement; its affected-row count decides the receipt.
     pub fn inbox_insert(&self) -> &str {
         &self.text.inbox_insert
+    }
+
+    /// What the relay's progress line reads
+    /// ([`SqlOutboxRepository::progress`](crate::SqlOutboxRepository::progress)): per state
+    /// other than `dispatched`, the rows and the age in seconds of the oldest, through the
+    /// index on `state`.
+    ///
+    /// ```
+    /// use trellis_outbox::{Dialect, Outbox};
+    ///
+    /// let sql = Outbox::default().sql(Dialect::Postgres).progress().to_owned();
+    /// assert!(sql.contains("WHERE state IN ('pending', 'claimed', 'failed', 'dead')"));
+    /// ```
+    pub fn progress(&self) -> &str {
+        &self.text.progress
     }
 }
 

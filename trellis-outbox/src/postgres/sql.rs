@@ -14,6 +14,9 @@ use crate::sql::SqlStatements;
 use crate::sql::{COLUMNS, ROW_EXTRAS, Texts};
 use crate::tables::OutboxTables;
 
+/// Every state but `dispatched`, for the progress query.
+const NOT_DISPATCHED: &str = "'pending', 'claimed', 'failed', 'dead'";
+
 /// The statements both dialects send, in Postgres' words.
 pub(crate) fn statements(tables: &OutboxTables) -> Texts {
     let (o, i) = (tables.outbox(), tables.inbox());
@@ -153,6 +156,12 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
         )
         .into(),
         inspect: format!("SELECT {COLUMNS}, {ROW_EXTRAS} FROM {o} WHERE id = $1").into(),
+        progress: format!(
+            "SELECT state, count(*), \
+             EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE isfinite(created_at)))::float8 \
+             FROM {o} WHERE state IN ({NOT_DISPATCHED}) GROUP BY state"
+        )
+        .into(),
         list: format!(
             "SELECT {COLUMNS}, {ROW_EXTRAS} FROM {o} WHERE state = $1 AND ($2::text IS NULL OR name = $2) \
              ORDER BY created_at, id LIMIT $3"

@@ -167,6 +167,13 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
         )
         .into(),
         inspect: format!("SELECT {COLUMNS}, {ROW_EXTRAS} FROM {o} WHERE id = ?").into(),
+        // `CAST(state AS TEXT)`: only text matches the list anyway.
+        progress: format!(
+            "SELECT CAST(state AS TEXT), count(*), \
+             (julianday({NOW}) - min({CREATED_AT_TIME})) * 86400.0 \
+             FROM {o} WHERE state IN ('pending', 'claimed', 'failed', 'dead') GROUP BY state"
+        )
+        .into(),
         list: format!(
             "SELECT {COLUMNS}, {ROW_EXTRAS} FROM {o} WHERE state = ?1 AND (?2 IS NULL OR name = ?2) \
              ORDER BY created_at, id LIMIT ?3"
