@@ -592,3 +592,40 @@ async fn pg_progress_reads_only_rows_not_dispatched() {
     );
     db.close().await;
 }
+
+// `migrate --lock-timeout`: behind a long transaction on the outbox table, the tool gives up
+// after the timeout with the step and "retry" instead of waiting for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_migrate_gives_up_after_its_lock_timeout() {
+    use sqlx::Connection as _;
+
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM trellis_outbox_migrations WHERE version = 6")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut holder = sqlx::PgConnection::connect_with(&db.options).await.unwrap();
+    sqlx::raw_sql("BEGIN; LOCK TABLE trellis_outbox IN ACCESS SHARE MODE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let url = pg_url(&db);
+    let outcome = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        run_on(&url, &["migrate", "--lock-timeout", "300ms"]),
+    )
+    .await;
+    holder.close().await.unwrap();
+    let err = outcome.expect("still waiting after 30 s").unwrap_err();
+    assert!(
+        err.contains("trellis_sql_outbox_inbox_postgres_v6") && err.contains("retry the migration"),
+        "{err}"
+    );
+    let applied = run_on(&url, &["migrate"]).await.unwrap();
+    assert!(
+        applied.contains("1 applied, 5 already applied"),
+        "{applied}"
+    );
+    db.close().await;
+}

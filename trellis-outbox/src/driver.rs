@@ -296,10 +296,22 @@ pub(crate) mod sealed {
         /// the migration's id and its checksum.
         const RECORD: &'static str;
 
-        /// Begins the migration transaction, serialised against concurrent migrators.
+        /// The name of [`begin_migration`](Self::begin_migration)'s step in errors.
+        const BEGIN_STEP: &'static str;
+
+        /// Begins the migration transaction (on SQLite, `BEGIN IMMEDIATE`, which also
+        /// serialises concurrent migrators).
         fn begin_migration(
             pool: &Pool<Self>,
         ) -> impl Future<Output = sqlx::Result<Transaction<'static, Self>>> + Send;
+
+        /// Serialises the transaction `tx` against concurrent migrators (waiting as long as
+        /// they take), then bounds how long each later statement may wait for a lock to
+        /// `lock_timeout` (zero: no bound). The name of the step that failed, and its error.
+        fn lock_migration<'a>(
+            tx: &'a mut Transaction<'static, Self>,
+            lock_timeout: Duration,
+        ) -> impl Future<Output = std::result::Result<(), (&'static str, sqlx::Error)>> + Send + 'a;
     }
 
     /// Dispatch: what [`SqlOutboxRepository`](crate::SqlOutboxRepository) asks of a database:

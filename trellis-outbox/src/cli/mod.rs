@@ -79,7 +79,12 @@ enum Command {
     },
     /// Apply the pending migrations (safe to run from every replica at once).
     #[command(after_help = "Example: trellis-outbox --database-url sqlite:app.db migrate")]
-    Migrate,
+    Migrate {
+        /// Postgres: how long a migration statement may wait for a lock on a table before the
+        /// migration gives up (nothing applied; retry it); 0 waits forever.
+        #[arg(long, default_value = "10s", value_parser = duration)]
+        lock_timeout: Duration,
+    },
     /// Rows per state, the undispatched count and the age of the oldest undispatched row.
     #[command(after_help = "Example: trellis-outbox status --json")]
     Status {

@@ -12,7 +12,7 @@ use sqlx::{Pool, Postgres, Sqlite};
 
 use super::{CliError, Command, Global};
 use crate::driver::OutboxDatabase;
-use crate::migrate::migrate_with;
+use crate::migrate::{MigrateOptions, migrate_with_options};
 use crate::sql_repository::SqlOutboxRepository;
 use crate::tables::OutboxTables;
 
@@ -117,7 +117,7 @@ pub(super) async fn execute(
     command: Command,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
-    let create = matches!(command, Command::Migrate);
+    let create = matches!(command, Command::Migrate { .. });
     match Database::connect(global.database_url.as_deref(), create).await? {
         Database::Postgres(pool) => {
             if let Command::Relay {
@@ -162,8 +162,9 @@ async fn on<DB: OutboxDatabase>(
 ) -> Result<(), CliError> {
     let repo = SqlOutboxRepository::with_tables(pool.clone(), tables);
     match command {
-        Command::Migrate => {
-            let report = migrate_with(&pool, tables).await?;
+        Command::Migrate { lock_timeout } => {
+            let options = MigrateOptions::default().with_lock_timeout(lock_timeout);
+            let report = migrate_with_options(&pool, tables, &options).await?;
             if report.upgraded_from_0_10 {
                 writeln!(out, "upgraded a Trellis 0.10 outbox table in place")?;
             }

@@ -1,6 +1,7 @@
 //! The PostgreSQL driver: enqueue, the row decoder's Postgres types, and migrations.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::{PgQueryResult, PgRow};
@@ -192,13 +193,31 @@ impl MigrationBackend for Postgres {
     /// The database's clock writes `applied_at`.
     const RECORD: &'static str = "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum) VALUES ($1, $2, $3, $4)";
 
+    const BEGIN_STEP: &'static str = "begin";
+
     async fn begin_migration(pool: &PgPool) -> sqlx::Result<Transaction<'static, Postgres>> {
-        let mut tx = pool.begin().await?;
-        // Serialises concurrent migrate calls; released at commit or rollback.
+        pool.begin().await
+    }
+
+    async fn lock_migration(
+        tx: &mut Transaction<'static, Postgres>,
+        lock_timeout: Duration,
+    ) -> std::result::Result<(), (&'static str, sqlx::Error)> {
+        // Serialises concurrent migrate calls; released at commit or rollback. Taken before
+        // the timeout is set: a replica waits for another's migration however long it takes.
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(MIGRATE_LOCK_KEY)
-            .execute(&mut *tx)
-            .await?;
-        Ok(tx)
+            .execute(&mut **tx)
+            .await
+            .map_err(|e| ("advisory lock", e))?;
+        // For this transaction only (`is_local`). A DDL statement queued behind a long
+        // transaction holds up every query on its table after it: give up instead.
+        let millis = lock_timeout.as_millis().min(i32::MAX as u128);
+        sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+            .bind(format!("{millis}ms"))
+            .execute(&mut **tx)
+            .await
+            .map_err(|e| ("set lock_timeout", e))?;
+        Ok(())
     }
 }

@@ -3,6 +3,7 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::sqlite::{SqliteQueryResult, SqliteRow};
@@ -187,9 +188,20 @@ impl MigrationBackend for Sqlite {
     /// SQLite's clock writes `applied_at` ([`format_timestamp`]'s format).
     const RECORD: &'static str = "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum, applied_at) VALUES (?, ?, ?, ?, strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))";
 
+    const BEGIN_STEP: &'static str = "begin immediate (the write lock)";
+
     async fn begin_migration(pool: &SqlitePool) -> sqlx::Result<Transaction<'static, Sqlite>> {
-        // BEGIN IMMEDIATE takes the write lock up front, serialising concurrent callers.
+        // BEGIN IMMEDIATE takes the write lock up front, serialising concurrent callers; it
+        // waits for the lock as long as the connection's busy timeout.
         pool.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    async fn lock_migration(
+        _: &mut Transaction<'static, Sqlite>,
+        _: Duration,
+    ) -> std::result::Result<(), (&'static str, sqlx::Error)> {
+        // Locked by BEGIN IMMEDIATE already; the whole database, so no statement waits later.
+        Ok(())
     }
 }
 
