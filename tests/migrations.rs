@@ -742,3 +742,107 @@ async fn pg_migrate_needs_no_create_privilege_when_nothing_is_pending() {
     assert!(report.applied.is_empty() && report.already_applied.len() == 6);
     db.close().await;
 }
+
+/// Runs `migrate_with_options` with a lock timeout of `timeout` while another connection holds
+/// an `ACCESS SHARE` lock on the outbox table (a long query) and version 6 is pending: its
+/// `DROP INDEX` needs an `ACCESS EXCLUSIVE` lock. Gives up after 30 s (no timeout applied).
+async fn pg_migrate_behind_a_lock(
+    db: &TestPg,
+    timeout: std::time::Duration,
+) -> Result<trellis_outbox::MigrationReport, Error> {
+    use sqlx::Connection as _;
+
+    let mut holder = sqlx::PgConnection::connect_with(&db.options).await.unwrap();
+    sqlx::raw_sql("BEGIN; LOCK TABLE trellis_outbox IN ACCESS SHARE MODE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let options = trellis_outbox::MigrateOptions::default().with_lock_timeout(timeout);
+    let outcome = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        trellis_outbox::migrate_with_options(&db.pool, &OutboxTables::default(), &options),
+    )
+    .await;
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    holder.close().await.unwrap();
+    outcome.expect("the migration still waited for the lock after 30 s")
+}
+
+// Audit: `migrate` set no lock timeout, so a deploy waited behind a long transaction for ever
+// (and every query on the table queued behind its ACCESS EXCLUSIVE request). A statement that
+// waits longer than the lock timeout fails with a typed, retryable error naming the step, and
+// nothing is applied; the next call applies the version.
+#[tokio::test]
+async fn pg_a_lock_timeout_is_a_typed_retryable_error_naming_the_step() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM trellis_outbox_migrations WHERE version = 6")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let err = pg_migrate_behind_a_lock(&db, std::time::Duration::from_millis(300))
+        .await
+        .unwrap_err();
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    match &err {
+        Error::MigrationLockTimeout {
+            step, lock_timeout, ..
+        } => {
+            assert_eq!(step, "trellis_sql_outbox_inbox_postgres_v6");
+            assert_eq!(*lock_timeout, std::time::Duration::from_millis(300));
+        }
+        other => panic!("expected MigrationLockTimeout, got {other:?}"),
+    }
+    assert!(err.is_retryable());
+    let message = err.to_string();
+    assert!(
+        message.contains("trellis_sql_outbox_inbox_postgres_v6") && message.contains("retry"),
+        "{message}"
+    );
+    let recorded: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM trellis_outbox_migrations WHERE version = 6")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(recorded, 0, "nothing applied");
+    let report = migrate(&db.pool).await.unwrap();
+    assert_eq!(report.applied, ["trellis_sql_outbox_inbox_postgres_v6"]);
+    db.close().await;
+}
+
+// Audit: the error steps must name what failed. On SQLite the migration begins with
+// `BEGIN IMMEDIATE`, which takes the write lock: when another writer holds it past the busy
+// timeout, the step says so (and the error is retryable).
+#[tokio::test]
+async fn sqlite_a_busy_write_lock_is_reported_as_the_begin_step() {
+    use sqlx::Connection as _;
+
+    let db = TestSqlite::new().await;
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(&db.path)
+        .busy_timeout(std::time::Duration::ZERO);
+    let mut holder = sqlx::SqliteConnection::connect_with(&options)
+        .await
+        .unwrap();
+    sqlx::raw_sql("BEGIN IMMEDIATE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let impatient = sqlx::SqlitePool::connect_with(options).await.unwrap();
+    let err = migrate(&impatient).await.unwrap_err();
+    impatient.close().await;
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    holder.close().await.unwrap();
+    match &err {
+        Error::Migrate { step, .. } => assert_eq!(step, "begin immediate (the write lock)"),
+        other => panic!("expected Error::Migrate, got {other:?}"),
+    }
+    assert!(err.is_retryable(), "{err}");
+}

@@ -13,6 +13,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::{Database, Encode, Pool, Transaction, Type};
 
+use crate::admin::OutboxRow;
 use crate::dispatch::{Claim, ClaimRequest, Dispatched, Failure, RetryOutcome};
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord, new_id};
@@ -100,6 +101,9 @@ pub(crate) mod sealed {
         }
     }
 
+    /// `(claim_token, claimed_until, ordering_key)` of a stored row.
+    pub(crate) type RowExtras = (Option<String>, Option<DateTime<Utc>>, Option<String>);
+
     /// A migration being recorded.
     #[derive(Debug, Clone, Copy)]
     pub struct Applied<'a> {
@@ -155,6 +159,24 @@ pub(crate) mod sealed {
 
         /// Decodes a row that selected [`COLUMNS`](crate::sql::COLUMNS) first, in order.
         fn decode(row: &Self::Row) -> Result<OutboxMessage>;
+
+        /// Reads the lease and ordering key of a row that selected
+        /// [`ROW_EXTRAS`](crate::sql::ROW_EXTRAS) right after [`COLUMNS`](crate::sql::COLUMNS):
+        /// `(claim_token, claimed_until, ordering_key)`. `id` names the row in errors.
+        fn decode_extras(row: &Self::Row, id: &str) -> Result<RowExtras>;
+
+        /// Decodes a row that selected [`COLUMNS`](crate::sql::COLUMNS) and then
+        /// [`ROW_EXTRAS`](crate::sql::ROW_EXTRAS).
+        fn decode_row(row: &Self::Row) -> Result<OutboxRow> {
+            let message = Self::decode(row)?;
+            let (claim_token, claimed_until, ordering_key) = Self::decode_extras(row, &message.id)?;
+            Ok(OutboxRow::new(
+                message,
+                claim_token,
+                claimed_until,
+                ordering_key,
+            ))
+        }
 
         /// Runs the single-row `enqueue` of `record`, a `pending` row at `on.now`: whether it
         /// inserted the row (false: a row with its id exists).
@@ -274,10 +296,22 @@ pub(crate) mod sealed {
         /// the migration's id and its checksum.
         const RECORD: &'static str;
 
-        /// Begins the migration transaction, serialised against concurrent migrators.
+        /// The name of [`begin_migration`](Self::begin_migration)'s step in errors.
+        const BEGIN_STEP: &'static str;
+
+        /// Begins the migration transaction (on SQLite, `BEGIN IMMEDIATE`, which also
+        /// serialises concurrent migrators).
         fn begin_migration(
             pool: &Pool<Self>,
         ) -> impl Future<Output = sqlx::Result<Transaction<'static, Self>>> + Send;
+
+        /// Serialises the transaction `tx` against concurrent migrators (waiting as long as
+        /// they take), then bounds how long each later statement may wait for a lock to
+        /// `lock_timeout` (zero: no bound). The name of the step that failed, and its error.
+        fn lock_migration<'a>(
+            tx: &'a mut Transaction<'static, Self>,
+            lock_timeout: Duration,
+        ) -> impl Future<Output = std::result::Result<(), (&'static str, sqlx::Error)>> + Send + 'a;
     }
 
     /// Dispatch: what [`SqlOutboxRepository`](crate::SqlOutboxRepository) asks of a database:
@@ -328,6 +362,11 @@ pub(crate) mod sealed {
             on: On<'a, Self>,
             id: &'a str,
         ) -> impl Future<Output = Result<RetryOutcome>> + Send + 'a;
+
+        /// Tells running dispatchers that rows are due now (after an operator's retry), as an
+        /// enqueue does: on Postgres a `NOTIFY` on the outbox's channel; nothing on SQLite,
+        /// which has no notifications between processes.
+        fn wake<'a>(on: On<'a, Self>) -> impl Future<Output = sqlx::Result<()>> + Send + 'a;
     }
 }
 

@@ -200,8 +200,30 @@ pub enum Error {
     /// The database failed while applying or checking migrations.
     #[error("database error while migrating the outbox schema ({step})")]
     Migrate {
-        /// The step that failed, e.g. the migration id or `lock`.
+        /// The step that failed: `begin`, `advisory lock`, `set lock_timeout`, `bookkeeping
+        /// table`, `read applied migrations`, …, the id of the migration being applied, or
+        /// `commit`.
         step: String,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+
+    /// A migration step waited longer than the lock timeout
+    /// ([`MigrateOptions::lock_timeout`](crate::MigrateOptions::lock_timeout)) for a lock on a
+    /// table, held by another transaction (a long query, say). Nothing was applied: the
+    /// migration transaction rolled back. Retryable: run the migration again, when the table
+    /// is quieter or with a longer timeout.
+    #[error(
+        "outbox migration step {step} waited more than the lock timeout ({lock_timeout:?}) for \
+         a table lock held by another transaction; nothing was applied, retry the migration"
+    )]
+    MigrationLockTimeout {
+        /// The step that waited: the id of the migration being applied, or another step of
+        /// [`Error::Migrate`].
+        step: String,
+        /// The timeout it waited for.
+        lock_timeout: std::time::Duration,
         /// The driver's error.
         #[source]
         source: sqlx::Error,
@@ -275,6 +297,7 @@ impl Error {
             Error::Enqueue { source, .. }
             | Error::RecordInbox { source, .. }
             | Error::Migrate { source, .. } => sqlx_is_retryable(source),
+            Error::MigrationLockTimeout { .. } => true,
             // A dispatcher retries repository operations on its own schedule; connection
             // and contention failures are worth retrying, constraint violations are not.
             Error::Repository { source, .. } => sqlx_is_retryable(source),

@@ -101,7 +101,7 @@ mod time;
 mod wire;
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-pub use crate::admin::{BLOCKED_KEYS_SHOWN, BlockedKey, OutboxStatus};
+pub use crate::admin::{BLOCKED_KEYS_SHOWN, BlockedKey, OutboxRow, OutboxStatus};
 #[cfg(feature = "nats")]
 pub use crate::consumer::{
     ConsumeFailure, Consumer, ConsumerBuilder, ConsumerError, ConsumerHandle, ConsumerReport,
@@ -126,8 +126,8 @@ pub use crate::job::{JobMode, JobSubmission, OutboxJob, REQUEST_ID};
 #[cfg(feature = "nats")]
 pub use crate::kv::{NatsKvInboxRepository, NatsKvOutboxRepository};
 pub use crate::migrate::{
-    MIGRATIONS_TABLE, MigrationReport, SqlOutboxMigration, fnv1a64_hex, migrate, migrate_with,
-    migration_script, migrations,
+    DEFAULT_LOCK_TIMEOUT, MIGRATIONS_TABLE, MigrateOptions, MigrationReport, SqlOutboxMigration,
+    fnv1a64_hex, migrate, migrate_with, migrate_with_options, migration_script, migrations,
 };
 #[cfg(feature = "nats")]
 pub use crate::nats::{

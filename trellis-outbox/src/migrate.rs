@@ -1,6 +1,7 @@
 //! Versioned, checksummed schema migrations, compatible with Trellis' migration artifacts.
 
 use std::fmt::Write as _;
+use std::time::Duration;
 
 use crate::driver::OutboxDatabase;
 use crate::driver::sealed::Applied;
@@ -211,39 +212,118 @@ pub async fn migrate<DB: OutboxDatabase>(pool: &sqlx::Pool<DB>) -> Result<Migrat
 }
 
 /// Applies the migrations of `tables` that the database has not recorded yet, in version
-/// order, in one transaction, and records each in `trellis_outbox_migrations`.
+/// order, in one transaction, and records each in `trellis_outbox_migrations`, with the
+/// default [`MigrateOptions`] (a lock timeout of 10 s on Postgres).
 ///
 /// Safe to call from every process at start-up: calls are serialised (a transaction-scoped
 /// advisory lock on Postgres, `BEGIN IMMEDIATE` on SQLite), and a second call does nothing.
 ///
 /// # Errors
 ///
-/// [`Error::ChecksumMismatch`](crate::Error::ChecksumMismatch) naming the migration if a
-/// recorded checksum differs from this library's (nothing is applied then), and
-/// [`Error::Migrate`](crate::Error::Migrate) naming the failing step if the database fails.
+/// As [`migrate_with_options`].
 pub async fn migrate_with<DB: OutboxDatabase>(
     pool: &sqlx::Pool<DB>,
     tables: &OutboxTables,
 ) -> Result<MigrationReport> {
+    migrate_with_options(pool, tables, &MigrateOptions::default()).await
+}
+
+/// How [`migrate_with_options`] runs.
+///
+/// ```
+/// use std::time::Duration;
+/// use trellis_outbox::MigrateOptions;
+///
+/// let options = MigrateOptions::default();
+/// assert_eq!(options.lock_timeout, Duration::from_secs(10));
+/// let patient = MigrateOptions::default().with_lock_timeout(Duration::from_secs(60));
+/// assert_eq!(patient.lock_timeout, Duration::from_secs(60));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MigrateOptions {
+    /// Postgres: how long a migration statement may wait for a lock on a table before the
+    /// migration gives up with [`Error::MigrationLockTimeout`](crate::Error::MigrationLockTimeout)
+    /// (retryable; nothing is applied). Schema changes need an `ACCESS EXCLUSIVE` lock: one
+    /// queued behind a long transaction holds up every query on the table after it, so a
+    /// deploy should not wait long. Set for the migration transaction only (`SET LOCAL
+    /// lock_timeout`), after the advisory lock that serialises migrators, which is waited
+    /// for as long as another migration takes. Zero waits forever. Default: 10 s. SQLite
+    /// locks the whole database at `BEGIN IMMEDIATE` and waits the connection's busy timeout.
+    pub lock_timeout: Duration,
+}
+
+impl Default for MigrateOptions {
+    fn default() -> Self {
+        Self {
+            lock_timeout: DEFAULT_LOCK_TIMEOUT,
+        }
+    }
+}
+
+impl MigrateOptions {
+    /// These options with [`lock_timeout`](Self::lock_timeout) set.
+    #[must_use]
+    pub fn with_lock_timeout(mut self, lock_timeout: Duration) -> Self {
+        self.lock_timeout = lock_timeout;
+        self
+    }
+}
+
+/// [`MigrateOptions::lock_timeout`]'s default.
+pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// [`migrate_with`] with `options`.
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), trellis_outbox::Error> {
+/// use std::time::Duration;
+/// use trellis_outbox::{migrate_with_options, MigrateOptions, OutboxTables};
+///
+/// let options = MigrateOptions::default().with_lock_timeout(Duration::from_secs(3));
+/// match migrate_with_options(&pool, &OutboxTables::default(), &options).await {
+///     Err(error) if error.is_retryable() => eprintln!("{error}; will try again at the next start"),
+///     other => { other?; }
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::ChecksumMismatch`](crate::Error::ChecksumMismatch) naming the migration if a
+/// recorded checksum differs from this library's (nothing is applied then);
+/// [`Error::MigrationLockTimeout`](crate::Error::MigrationLockTimeout) naming the step if a
+/// statement waited longer than `options.lock_timeout` for a table lock (nothing is applied;
+/// retryable); [`Error::Migrate`](crate::Error::Migrate) naming the failing step if the
+/// database fails otherwise.
+pub async fn migrate_with_options<DB: OutboxDatabase>(
+    pool: &sqlx::Pool<DB>,
+    tables: &OutboxTables,
+    options: &MigrateOptions,
+) -> Result<MigrationReport> {
+    let lock = options.lock_timeout;
     let mut tx = DB::begin_migration(pool)
         .await
-        .map_err(migrate_error("begin"))?;
+        .map_err(failed(DB::BEGIN_STEP, lock))?;
+    DB::lock_migration(&mut tx, options.lock_timeout)
+        .await
+        .map_err(|(step, source)| failed(step, lock)(source))?;
     DB::run_ddl(&mut tx, DB::BOOKKEEPING)
         .await
-        .map_err(migrate_error("bookkeeping table"))?;
+        .map_err(failed("bookkeeping table", lock))?;
     let recorded = DB::fetch_migrations(&mut tx, DB::RECORDED, tables.outbox())
         .await
-        .map_err(migrate_error("read applied migrations"))?;
+        .map_err(failed("read applied migrations", lock))?;
     let mut report = MigrationReport::default();
     if !recorded.iter().any(|(version, ..)| *version == 1) {
         let columns = DB::fetch_names(&mut tx, DB::COLUMNS, tables.outbox())
             .await
-            .map_err(migrate_error("read the outbox table's columns"))?;
+            .map_err(failed("read the outbox table's columns", lock))?;
         if columns.iter().any(|c| c == "event") && !columns.iter().any(|c| c == "name") {
             for statement in Schema::of(DB::DIALECT).upgrade_0_10(tables) {
                 DB::run_ddl(&mut tx, &statement)
                     .await
-                    .map_err(migrate_error("upgrade the Trellis 0.10 outbox table"))?;
+                    .map_err(failed("upgrade the Trellis 0.10 outbox table", lock))?;
             }
             tracing::info!(
                 table = tables.outbox(),
@@ -262,7 +342,7 @@ pub async fn migrate_with<DB: OutboxDatabase>(
             if let Some((table, column)) = added_column(DB::DIALECT, statement) {
                 let present = DB::fetch_names(&mut tx, DB::COLUMNS, table)
                     .await
-                    .map_err(migrate_error(&m.id))?;
+                    .map_err(failed(&m.id, lock))?;
                 if present.iter().any(|c| c.eq_ignore_ascii_case(column)) {
                     // Applied already, without a record (say by `migration_script`).
                     continue;
@@ -270,7 +350,7 @@ pub async fn migrate_with<DB: OutboxDatabase>(
             }
             DB::run_ddl(&mut tx, statement)
                 .await
-                .map_err(migrate_error(&m.id))?;
+                .map_err(failed(&m.id, lock))?;
         }
         let applied = Applied {
             version: m.version,
@@ -279,11 +359,11 @@ pub async fn migrate_with<DB: OutboxDatabase>(
         };
         DB::record_migration(&mut tx, DB::RECORD, tables.outbox(), applied)
             .await
-            .map_err(migrate_error(&m.id))?;
+            .map_err(failed(&m.id, lock))?;
         tracing::info!(migration = %m.id, "applied outbox migration");
         report.applied.push(m.id);
     }
-    tx.commit().await.map_err(migrate_error("commit"))?;
+    tx.commit().await.map_err(failed("commit", lock))?;
     Ok(report)
 }
 
@@ -350,11 +430,25 @@ pub(crate) fn plan(
     Ok(pending)
 }
 
-/// Maps a driver error during `step` to [`Error::Migrate`](crate::Error::Migrate).
-pub(crate) fn migrate_error(step: &str) -> impl Fn(sqlx::Error) -> crate::Error + '_ {
-    move |source| crate::Error::Migrate {
-        step: step.to_owned(),
-        source,
+/// Maps a driver error during `step` to [`Error::MigrationLockTimeout`](crate::Error::MigrationLockTimeout)
+/// if it is Postgres' lock timeout (`55P03`, `lock_not_available`), else to
+/// [`Error::Migrate`](crate::Error::Migrate).
+fn failed(step: &str, lock_timeout: Duration) -> impl Fn(sqlx::Error) -> crate::Error + '_ {
+    move |source| {
+        let timed_out = matches!(&source, sqlx::Error::Database(db)
+            if db.code().as_deref() == Some("55P03"));
+        if timed_out {
+            crate::Error::MigrationLockTimeout {
+                step: step.to_owned(),
+                lock_timeout,
+                source,
+            }
+        } else {
+            crate::Error::Migrate {
+                step: step.to_owned(),
+                source,
+            }
+        }
     }
 }
 

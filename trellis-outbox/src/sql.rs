@@ -50,9 +50,22 @@ pub(crate) fn blocked_keys(o: &str, limit: &str) -> String {
         "SELECT (SELECT count(*) FROM {o} AS w WHERE w.ordering_key = d.ordering_key \
          AND w.ordering_seq > d.ordering_seq AND w.state <> 'dispatched') AS waiting, \
          d.ordering_key, d.id FROM {o} AS d \
-         WHERE d.ordering_key IS NOT NULL AND d.state = 'dead' AND d.ordering_skip_dead IS NOT TRUE \
-         AND {head} ORDER BY d.ordering_key LIMIT {limit}",
-        head = head_test(o, "d"),
+         WHERE {heads} ORDER BY d.ordering_key LIMIT {limit}",
+        heads = blocking_heads(o),
+    )
+}
+
+/// How many keys [`blocked_keys`] would list without a limit.
+pub(crate) fn blocked_key_count(o: &str) -> String {
+    format!("SELECT count(*) FROM {o} AS d WHERE {}", blocking_heads(o))
+}
+
+/// Whether the row `d` is a dead head that blocks its key (policy `block`).
+fn blocking_heads(o: &str) -> String {
+    format!(
+        "d.ordering_key IS NOT NULL AND d.state = 'dead' AND d.ordering_skip_dead IS NOT TRUE \
+         AND {}",
+        head_test(o, "d")
     )
 }
 
@@ -66,6 +79,26 @@ pub(crate) fn ordering_index(o: &str) -> String {
 }
 
 pub(crate) const COLUMNS: &str = "id, kind, name, subject, payload, headers, state, attempts, created_at, updated_at, next_attempt_at, last_error, outcome";
+
+/// How many columns [`COLUMNS`] names.
+pub(crate) const COLUMN_COUNT: usize = 13;
+
+const _: () = {
+    // COLUMNS has COLUMN_COUNT names.
+    let bytes = COLUMNS.as_bytes();
+    let (mut i, mut commas) = (0, 0);
+    while i < bytes.len() {
+        if bytes[i] == b',' {
+            commas += 1;
+        }
+        i += 1;
+    }
+    assert!(commas + 1 == COLUMN_COUNT);
+};
+
+/// What an operator sees of a row beyond [`COLUMNS`]: its lease and its ordering key, selected
+/// after them by `list` and `inspect` and read by `Backend::decode_row`.
+pub(crate) const ROW_EXTRAS: &str = "claim_token, claimed_until, ordering_key";
 
 /// The SQL trellis-outbox sends for one dialect and table set.
 ///
@@ -162,13 +195,25 @@ texts! {
     status,
     /// Undispatched rows and the age in seconds of the oldest (NULL when none).
     backlog,
-    /// Rows in a state (state, name or NULL for any, limit), oldest first, [`COLUMNS`].
+    /// `status` of the rows not dispatched only (`pending`, `claimed`, `failed`, `dead`),
+    /// read through the index on `state` (`<outbox>_due_idx`): it never reads the dispatched
+    /// rows, however many the table keeps.
+    progress,
+    /// Rows in a state (state, name or NULL for any, limit), oldest first, [`COLUMNS`] and
+    /// [`ROW_EXTRAS`].
     list,
-    /// Moves every `dead` row (of a name, or NULL for all) back to `pending`, due now.
+    /// One stored row by id, [`COLUMNS`] and [`ROW_EXTRAS`].
+    inspect,
+    /// Moves the oldest `dead` rows (of a name, or NULL for all; at most a limit) back to
+    /// `pending`, due now.
     retry_dead,
+    /// How many rows `retry_dead` would move (name or NULL, limit).
+    count_dead,
     /// Keys held by a dead head under the `block` policy (limit): rows waiting behind it,
     /// the key, the head's id; by key.
     blocked_keys,
+    /// How many keys are held by a dead head under the `block` policy.
+    blocked_key_count,
 }
 
 impl SqlStatements {
@@ -225,6 +270,21 @@ impl SqlStatements {
     /// The inbox insert: upstream's statement; its affected-row count decides the receipt.
     pub fn inbox_insert(&self) -> &str {
         &self.text.inbox_insert
+    }
+
+    /// What the relay's progress line reads
+    /// ([`SqlOutboxRepository::progress`](crate::SqlOutboxRepository::progress)): per state
+    /// other than `dispatched`, the rows and the age in seconds of the oldest, through the
+    /// index on `state`.
+    ///
+    /// ```
+    /// use trellis_outbox::{Dialect, Outbox};
+    ///
+    /// let sql = Outbox::default().sql(Dialect::Postgres).progress().to_owned();
+    /// assert!(sql.contains("WHERE state IN ('pending', 'claimed', 'failed', 'dead')"));
+    /// ```
+    pub fn progress(&self) -> &str {
+        &self.text.progress
     }
 }
 

@@ -173,6 +173,18 @@ impl<DB: OutboxDatabase> SqlOutboxRepository<DB> {
         }
     }
 
+    /// Wakes running dispatchers after rows were made due by an operator ([`DB::wake`]). A
+    /// failure is logged, not returned: the rows are due either way, and dispatchers find
+    /// them at their next poll.
+    pub(crate) async fn wake_dispatchers(&self) {
+        if let Err(error) = DB::wake(self.on()).await {
+            tracing::warn!(
+                error = %crate::chain::error_chain(&error),
+                "could not wake the dispatchers after a retry; they find the rows at their next poll"
+            );
+        }
+    }
+
     fn on(&self) -> On<'_, DB> {
         On {
             pool: &self.pool,
@@ -255,8 +267,14 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
             .await
     }
 
+    /// Also wakes running dispatchers when the row was retried (on Postgres, a `NOTIFY` on
+    /// the outbox's channel, as an enqueue sends), so one listening picks it up at once.
     async fn retry(&self, id: &str) -> Result<RetryOutcome> {
-        DB::retry(self.on(), id).await
+        let outcome = DB::retry(self.on(), id).await?;
+        if outcome.is_retried() {
+            self.wake_dispatchers().await;
+        }
+        Ok(outcome)
     }
 
     async fn purge_dispatched(&self, older_than: Duration, batch: usize) -> Result<u64> {

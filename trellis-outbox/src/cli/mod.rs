@@ -79,7 +79,12 @@ enum Command {
     },
     /// Apply the pending migrations (safe to run from every replica at once).
     #[command(after_help = "Example: trellis-outbox --database-url sqlite:app.db migrate")]
-    Migrate,
+    Migrate {
+        /// Postgres: how long a migration statement may wait for a lock on a table before the
+        /// migration gives up (nothing applied; retry it); 0 waits forever.
+        #[arg(long, default_value = "10s", value_parser = duration)]
+        lock_timeout: Duration,
+    },
     /// Rows per state, the undispatched count and the age of the oldest undispatched row.
     #[command(after_help = "Example: trellis-outbox status --json")]
     Status {
@@ -122,9 +127,10 @@ enum Command {
         /// The row's id.
         id: String,
     },
-    /// Make failed or dead rows due again now (bulk replay with --all-dead).
+    /// Make failed or dead rows due again now (bulk replay with --all-dead) and wake the
+    /// dispatchers (Postgres NOTIFY).
     #[command(
-        after_help = "Examples:\n  trellis-outbox retry 01J9ZK3V8Q2W4E6R8T0Y1U3I5O\n  trellis-outbox retry --all-dead --name Orders.Shipped"
+        after_help = "Examples:\n  trellis-outbox retry 01J9ZK3V8Q2W4E6R8T0Y1U3I5O\n  trellis-outbox retry --all-dead --name Orders.Shipped --limit 100 --dry-run"
     )]
     Retry {
         /// The rows' ids.
@@ -134,8 +140,16 @@ enum Command {
         #[arg(long)]
         all_dead: bool,
         /// With --all-dead: only rows of this event name or job queue.
-        #[arg(long, requires = "all_dead")]
+        // Not `requires = "all_dead"`: clap counts the flag's default (false) as present. Without
+        // ids, --all-dead is required anyway.
+        #[arg(long, conflicts_with = "ids")]
         name: Option<String>,
+        /// With --all-dead: at most this many rows, the oldest first.
+        #[arg(long, conflicts_with = "ids", value_parser = clap::value_parser!(u64).range(1..))]
+        limit: Option<u64>,
+        /// With --all-dead: print how many rows would be retried, and change nothing.
+        #[arg(long, conflicts_with = "ids")]
+        dry_run: bool,
     },
     /// Delete old dispatched rows and/or old inbox rows (dead rows are never deleted).
     #[command(
@@ -148,11 +162,16 @@ enum Command {
         /// Delete inbox rows received longer ago than this (e.g. `30d`).
         #[arg(long, value_parser = duration)]
         inbox_older_than: Option<Duration>,
-        /// Rows per delete statement.
-        #[arg(long, default_value_t = 1000)]
-        batch: usize,
+        /// Rows per delete statement, 1 to 100,000 (checked before connecting).
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=MAX_PURGE_BATCH))]
+        batch: u64,
     },
 }
+
+/// The largest `purge --batch` ([`SqlOutboxRepository::purge_dispatched`]'s limit).
+///
+/// [`SqlOutboxRepository::purge_dispatched`]: crate::SqlOutboxRepository::purge_dispatched
+const MAX_PURGE_BATCH: u64 = 100_000;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum DialectArg {
@@ -274,9 +293,13 @@ fn print_sql(
         // leave nothing for them to alter.
         selected.reverse();
     }
-    if selected.is_empty() {
-        let known: Vec<u32> = all.iter().map(|m| m.version).collect();
-        return Err(format!("no migration version {version:?}; known: {known:?}").into());
+    if let (Some(version), true) = (version, selected.is_empty()) {
+        let known: Vec<String> = all.iter().map(|m| m.version.to_string()).collect();
+        return Err(format!(
+            "no migration version {version}; known versions: {}",
+            known.join(", ")
+        )
+        .into());
     }
     for (i, m) in selected.iter().enumerate() {
         if i > 0 {

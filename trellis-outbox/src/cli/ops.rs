@@ -12,7 +12,7 @@ use sqlx::{Pool, Postgres, Sqlite};
 
 use super::{CliError, Command, Global};
 use crate::driver::OutboxDatabase;
-use crate::migrate::migrate_with;
+use crate::migrate::{MigrateOptions, migrate_with_options};
 use crate::sql_repository::SqlOutboxRepository;
 use crate::tables::OutboxTables;
 
@@ -117,7 +117,7 @@ pub(super) async fn execute(
     command: Command,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
-    let create = matches!(command, Command::Migrate);
+    let create = matches!(command, Command::Migrate { .. });
     match Database::connect(global.database_url.as_deref(), create).await? {
         Database::Postgres(pool) => {
             if let Command::Relay {
@@ -162,8 +162,9 @@ async fn on<DB: OutboxDatabase>(
 ) -> Result<(), CliError> {
     let repo = SqlOutboxRepository::with_tables(pool.clone(), tables);
     match command {
-        Command::Migrate => {
-            let report = migrate_with(&pool, tables).await?;
+        Command::Migrate { lock_timeout } => {
+            let options = MigrateOptions::default().with_lock_timeout(lock_timeout);
+            let report = migrate_with_options(&pool, tables, &options).await?;
             if report.upgraded_from_0_10 {
                 writeln!(out, "upgraded a Trellis 0.10 outbox table in place")?;
             }
@@ -196,7 +197,19 @@ async fn on<DB: OutboxDatabase>(
                     writeln!(
                         out,
                         "blocked    key {} behind dead {} ({} waiting)",
-                        blocked.key, blocked.head_id, blocked.waiting
+                        escaped(&blocked.key),
+                        escaped(&blocked.head_id),
+                        blocked.waiting
+                    )?;
+                }
+                let more = status
+                    .blocked_keys_total
+                    .saturating_sub(status.blocked_keys.len() as u64);
+                if more > 0 {
+                    writeln!(
+                        out,
+                        "blocked    … and {more} more blocked keys ({} in all)",
+                        status.blocked_keys_total
                     )?;
                 }
             }
@@ -207,12 +220,14 @@ async fn on<DB: OutboxDatabase>(
             name,
             json,
         } => {
-            let rows = repo.list(state.state(), name.as_deref(), limit).await?;
+            let rows = repo
+                .list_rows(state.state(), name.as_deref(), limit)
+                .await?;
             if json {
                 let rows: Vec<serde_json::Value> = rows
                     .into_iter()
                     .map(|row| match row {
-                        Ok(message) => serde_json::to_value(message).unwrap_or_default(),
+                        Ok(row) => serde_json::to_value(row).unwrap_or_default(),
                         Err(poison) => {
                             serde_json::json!({"id": poison.id, "undecodable": poison.reason})
                         }
@@ -222,43 +237,67 @@ async fn on<DB: OutboxDatabase>(
                 writeln!(out)?;
             } else {
                 for row in rows {
+                    // One line per row: text from the table (written by any writer) is
+                    // escaped, so a newline in `last_error` cannot start a line of its own.
                     match row {
-                        Ok(m) => writeln!(
-                            out,
-                            "{}  {}  {}  attempts={}  created={}{}",
-                            m.id,
-                            m.name,
-                            m.subject,
-                            m.attempts,
-                            crate::time::format_timestamp(m.created_at),
-                            m.last_error
-                                .as_deref()
-                                .map(|e| format!("  error={e}"))
-                                .unwrap_or_default()
-                        )?,
-                        Err(poison) => {
-                            writeln!(out, "{}  undecodable: {}", poison.id, poison.reason)?
+                        Ok(row) => {
+                            let m = &row.message;
+                            writeln!(
+                                out,
+                                "{}  {}  {}  attempts={}  created={}{}{}{}",
+                                escaped(&m.id),
+                                escaped(&m.name),
+                                escaped(&m.subject),
+                                m.attempts,
+                                crate::time::format_timestamp(m.created_at),
+                                row.ordering_key
+                                    .as_deref()
+                                    .map(|key| format!("  ordering_key={}", escaped(key)))
+                                    .unwrap_or_default(),
+                                lease(&row),
+                                m.last_error
+                                    .as_deref()
+                                    .map(|e| format!("  error={}", escaped(e)))
+                                    .unwrap_or_default()
+                            )?;
                         }
+                        Err(poison) => writeln!(
+                            out,
+                            "{}  undecodable: {}",
+                            escaped(&poison.id),
+                            escaped(&poison.reason)
+                        )?,
                     }
                 }
             }
         }
         Command::Inspect { id } => {
-            let message = repo
-                .get(&id)
+            let row = repo
+                .get_row(&id)
                 .await?
                 .ok_or_else(|| format!("no outbox row with id {id:?}"))?;
-            serde_json::to_writer_pretty(&mut *out, &message)?;
+            serde_json::to_writer_pretty(&mut *out, &row)?;
             writeln!(out)?;
         }
         Command::Retry {
             ids,
             all_dead,
             name,
+            limit,
+            dry_run,
         } => {
             if all_dead {
-                let retried = repo.retry_dead(name.as_deref()).await?;
-                writeln!(out, "retried {retried} dead rows")?;
+                let limit = limit.map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX));
+                if dry_run {
+                    let count = repo.count_dead(name.as_deref(), limit).await?;
+                    writeln!(
+                        out,
+                        "would retry {count} dead rows (dry run: nothing changed)"
+                    )?;
+                } else {
+                    let retried = repo.retry_dead_at_most(name.as_deref(), limit).await?;
+                    writeln!(out, "retried {retried} dead rows")?;
+                }
             } else {
                 let mut refused = Vec::new();
                 for id in &ids {
@@ -279,6 +318,8 @@ async fn on<DB: OutboxDatabase>(
             inbox_older_than,
             batch,
         } => {
+            // Checked by clap (1 to 100,000) before connecting.
+            let batch = usize::try_from(batch).unwrap_or(usize::MAX);
             if let Some(age) = dispatched_older_than {
                 let deleted = repo.purge_dispatched(age, batch).await?;
                 purged(out, deleted, "dispatched", age)?;
@@ -305,6 +346,43 @@ fn purged(out: &mut dyn Write, deleted: u64, what: &str, age: Duration) -> std::
     )
 }
 
+/// A listed row's lease for text output: `  claim_token=… claimed_until=…` while a claim
+/// token is set (the lease may have run out: compare `claimed_until` with the database's
+/// clock), nothing otherwise.
+fn lease(row: &crate::admin::OutboxRow) -> String {
+    match (&row.claim_token, row.claimed_until) {
+        (None, None) => String::new(),
+        (token, until) => format!(
+            "  claim_token={}  claimed_until={}",
+            token
+                .as_deref()
+                .map_or(std::borrow::Cow::Borrowed("none"), escaped),
+            until.map_or_else(|| "none".to_owned(), crate::time::format_timestamp)
+        ),
+    }
+}
+
+/// `text` for one line of text output: control characters escaped (`\n`, `\r`, `\t`,
+/// `\u{1b}`, …) and so backslashes too (`\\`), so that what a writer stored can neither
+/// break a line nor be mistaken for an escape. JSON output carries the text as stored.
+pub(super) fn escaped(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(|c| c.is_control() || c == '\\') {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\\' => out.push_str("\\\\"),
+            c if c.is_control() => out.extend(c.escape_unicode()),
+            c => out.push(c),
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// A duration for people: `3s`, `1h 2m`.
 pub(super) fn seconds(duration: Duration) -> String {
     humantime::format_duration(Duration::from_secs(duration.as_secs())).to_string()
@@ -312,7 +390,16 @@ pub(super) fn seconds(duration: Duration) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::redact;
+    use super::{escaped, redact};
+
+    #[test]
+    fn control_characters_are_escaped() {
+        assert_eq!(escaped("plain text"), "plain text");
+        assert_eq!(
+            escaped("line 1\nline 2\r\ttab \\n \u{1b}[2K"),
+            "line 1\\nline 2\\r\\ttab \\\\n \\u{1b}[2K"
+        );
+    }
 
     #[test]
     fn passwords_are_not_printed() {

@@ -1,19 +1,52 @@
 //! `trellis-outbox relay`: the dispatcher until SIGINT or SIGTERM, with a progress line.
 
+use std::future::Future;
 use std::io::{IsTerminal as _, Write};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use sqlx::Pool;
 
 use super::ops::{Relay, redact, seconds};
 use super::{CliError, Global};
-use crate::dispatch::{DispatcherBuilder, OutboxDispatcher};
+use crate::dispatch::{DispatcherBuilder, OutboxDispatcher, PublishError, Publisher, RetryPolicy};
 use crate::driver::OutboxDatabase;
 use crate::nats::JetStreamPublisher;
+use crate::record::OutboxMessage;
 use crate::sql_repository::SqlOutboxRepository;
 use crate::tables::OutboxTables;
 
-type Builder<DB> = DispatcherBuilder<SqlOutboxRepository<DB>, JetStreamPublisher>;
+type Builder<DB> = DispatcherBuilder<SqlOutboxRepository<DB>, Counted<JetStreamPublisher>>;
+
+/// A publisher that counts the rows it published (acknowledged), for the progress line.
+pub(super) struct Counted<P> {
+    publisher: P,
+    published: Arc<AtomicU64>,
+}
+
+impl<P: Publisher> Publisher for Counted<P> {
+    async fn publish_batch(
+        &self,
+        messages: &[OutboxMessage],
+    ) -> Vec<Result<Option<serde_json::Value>, PublishError>> {
+        let results = self.publisher.publish_batch(messages).await;
+        let published = results.iter().filter(|result| result.is_ok()).count();
+        self.published.fetch_add(
+            u64::try_from(published).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        results
+    }
+
+    fn on_start(&self, retry_policy: &RetryPolicy) -> impl Future<Output = ()> + Send {
+        self.publisher.on_start(retry_policy)
+    }
+
+    fn publish_budget(&self, rows: usize) -> Option<Duration> {
+        self.publisher.publish_budget(rows)
+    }
+}
 
 /// The longest `--progress-every`: tokio's interval adds its period to instants, so a
 /// period near `u64::MAX` seconds is not handed to it.
@@ -41,7 +74,11 @@ pub(super) async fn relay<DB: OutboxDatabase>(
     if relay.beside_upstream {
         repo = repo.beside_upstream();
     }
-    let publisher = JetStreamPublisher::builder(async_nats::jetstream::new(client)).build();
+    let published = Arc::new(AtomicU64::new(0));
+    let publisher = Counted {
+        publisher: JetStreamPublisher::builder(async_nats::jetstream::new(client)).build(),
+        published: Arc::clone(&published),
+    };
     let dispatcher: OutboxDispatcher = configure(
         OutboxDispatcher::builder(repo, publisher).on_error(|error| {
             // tracing is not set up by the tool: errors go to stderr, one line each.
@@ -58,7 +95,6 @@ pub(super) async fn relay<DB: OutboxDatabase>(
     // A status query slower than the period is not followed by another at once.
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut signals = Signals::new()?;
-    let mut first = None;
     // Output that cannot be written (`relay | head -1`) stops the relay, gracefully.
     let mut broken: Option<std::io::Error> = None;
     loop {
@@ -67,12 +103,14 @@ pub(super) async fn relay<DB: OutboxDatabase>(
             _ = ticks.tick() => {
                 let line = tokio::select! {
                     () = signals.next() => break,
-                    now = status.status() => match now {
+                    // Not `status()`: that counts every row of the table, dispatched ones
+                    // included, each period. `progress()` reads only the rows not dispatched
+                    // (through the index on `state`); the dispatched count is this relay's own.
+                    now = status.progress() => match now {
                         Ok(now) => {
-                            let dispatched = now.count("dispatched");
-                            let since = dispatched.saturating_sub(*first.get_or_insert(dispatched));
                             format!(
-                                "dispatched {dispatched} (+{since} since start)  failed {}  dead {}  undispatched {}  lag {}",
+                                "dispatched +{} since start  failed {}  dead {}  undispatched {}  lag {}",
+                                published.load(Ordering::Relaxed),
                                 now.count("failed"),
                                 now.count("dead"),
                                 now.undispatched(),

@@ -59,6 +59,7 @@ macro_rules! queries {
             for<'r> (i64, String, String, String): sqlx::FromRow<'r, DB::Row>,
             for<'r> (String, i64, Option<f64>): sqlx::FromRow<'r, DB::Row>,
             for<'r> (i64, Option<f64>): sqlx::FromRow<'r, DB::Row>,
+            for<'r> (i64,): sqlx::FromRow<'r, DB::Row>,
             for<'r> String: Decode<'r, DB> + Type<DB>,
             usize: sqlx::ColumnIndex<DB::Row>,
             DB::QueryResult: RowsAffected,
@@ -91,7 +92,7 @@ queries! {
 
     /// Runs `sql`, which answers one nullable number.
     fn fetch_seconds<'a>(pool: &'a Pool<Self>, sql: &'a Arc<str>) -> sqlx::Result<Option<f64>> {
-        sqlx::query_scalar(statement(sql)).fetch_one(pool).await
+        sqlx::query_scalar::<_, Option<f64>>(statement(sql)).fetch_one(pool).await
     }
 
     /// Runs `sql`, which answers pairs of a text and a nullable text, read as `T`.
@@ -108,6 +109,12 @@ queries! {
         sql: &'a Arc<str>,
     ) -> sqlx::Result<Vec<(String, i64, Option<f64>)>> {
         sqlx::query_as(statement(sql)).fetch_all(pool).await
+    }
+
+    /// Runs `sql`, which answers one count.
+    fn fetch_count<'a>(pool: &'a Pool<Self>, sql: &'a Arc<str>) -> sqlx::Result<i64> {
+        let (count,): (i64,) = sqlx::query_as(statement(sql)).fetch_one(pool).await?;
+        Ok(count)
     }
 
     /// Runs `sql`, which answers one row of a count and a nullable number of seconds.
@@ -139,13 +146,27 @@ queries! {
         sqlx::query_as(statement(sql)).bind(limit).fetch_all(pool).await
     }
 
-    /// Runs `sql` binding `value` (NULL for none); the rows it changed.
-    fn execute_one<'a>(
+    /// Runs `sql` binding a name (NULL for any) and a limit; the rows it changed.
+    fn execute_named<'a>(
         pool: &'a Pool<Self>,
         sql: &'a Arc<str>,
-        value: Option<&'a str>,
+        name: Option<&'a str>,
+        limit: i64,
     ) -> sqlx::Result<u64> {
-        Ok(sqlx::query(statement(sql)).bind(value).execute(pool).await?.rows_affected())
+        let query = sqlx::query(statement(sql)).bind(name).bind(limit);
+        Ok(query.execute(pool).await?.rows_affected())
+    }
+
+    /// Runs `sql` binding a name (NULL for any) and a limit; the count it answers.
+    fn count_named<'a>(
+        pool: &'a Pool<Self>,
+        sql: &'a Arc<str>,
+        name: Option<&'a str>,
+        limit: i64,
+    ) -> sqlx::Result<i64> {
+        let query = sqlx::query_as(statement(sql)).bind(name).bind(limit);
+        let (count,): (i64,) = query.fetch_one(pool).await?;
+        Ok(count)
     }
 
     /// Runs `sql` binding an age in seconds and a limit; the rows it deleted.
@@ -217,6 +238,6 @@ queries! {
         sql: &'static str,
         outbox: &'a str,
     ) -> sqlx::Result<Vec<String>> {
-        sqlx::query_scalar(sql).bind(outbox).fetch_all(&mut **tx).await
+        sqlx::query_scalar::<_, String>(sql).bind(outbox).fetch_all(&mut **tx).await
     }
 }

@@ -1,6 +1,7 @@
 //! The PostgreSQL driver: enqueue, the row decoder's Postgres types, and migrations.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::{PgQueryResult, PgRow};
@@ -10,11 +11,11 @@ use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Transaction};
 use super::sql;
 use super::time::PgTime;
 use crate::driver::sealed::{
-    Backend, Enqueue, Lease, MigrationBackend, RepositoryBackend, RowsAffected,
+    Backend, Enqueue, Lease, MigrationBackend, RepositoryBackend, RowExtras, RowsAffected,
 };
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
-use crate::row::{bind_content, bind_ordering, first_id, headers_json, read};
+use crate::row::{bind_content, bind_ordering, first_id, get, headers_json, read};
 use crate::sql::{SqlStatements, statement};
 use crate::tables::Dialect;
 
@@ -58,6 +59,16 @@ impl Backend for Postgres {
     fn decode(row: &PgRow) -> Result<OutboxMessage> {
         read::<_, PgTime, Json<BTreeMap<String, String>>, Json<serde_json::Value>, i32>(row)?
             .into_message()
+    }
+
+    fn decode_extras(row: &PgRow, id: &str) -> Result<RowExtras> {
+        let first = crate::sql::COLUMN_COUNT;
+        let claimed_until: Option<PgTime> = get(row, id, first + 1, "claimed_until")?;
+        Ok((
+            get(row, id, first, "claim_token")?,
+            claimed_until.map(|PgTime(time)| time),
+            get(row, id, first + 2, "ordering_key")?,
+        ))
     }
 
     async fn insert_row(on: &mut Enqueue<'_, Self>, record: &PreparedOutboxRecord) -> Result<bool> {
@@ -182,13 +193,31 @@ impl MigrationBackend for Postgres {
     /// The database's clock writes `applied_at`.
     const RECORD: &'static str = "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum) VALUES ($1, $2, $3, $4)";
 
+    const BEGIN_STEP: &'static str = "begin";
+
     async fn begin_migration(pool: &PgPool) -> sqlx::Result<Transaction<'static, Postgres>> {
-        let mut tx = pool.begin().await?;
-        // Serialises concurrent migrate calls; released at commit or rollback.
+        pool.begin().await
+    }
+
+    async fn lock_migration(
+        tx: &mut Transaction<'static, Postgres>,
+        lock_timeout: Duration,
+    ) -> std::result::Result<(), (&'static str, sqlx::Error)> {
+        // Serialises concurrent migrate calls; released at commit or rollback. Taken before
+        // the timeout is set: a replica waits for another's migration however long it takes.
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(MIGRATE_LOCK_KEY)
-            .execute(&mut *tx)
-            .await?;
-        Ok(tx)
+            .execute(&mut **tx)
+            .await
+            .map_err(|e| ("advisory lock", e))?;
+        // For this transaction only (`is_local`). A DDL statement queued behind a long
+        // transaction holds up every query on its table after it: give up instead.
+        let millis = lock_timeout.as_millis().min(i32::MAX as u128);
+        sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+            .bind(format!("{millis}ms"))
+            .execute(&mut **tx)
+            .await
+            .map_err(|e| ("set lock_timeout", e))?;
+        Ok(())
     }
 }

@@ -138,6 +138,10 @@ impl RepositoryBackend for Postgres {
             .map_err(Error::repository("mark failures"))
     }
 
+    async fn wake(on: On<'_, Self>) -> sqlx::Result<()> {
+        super::wakeup::wake(on.pool, on.sql.notify_channel()).await
+    }
+
     async fn retry(on: On<'_, Self>, id: &str) -> Result<RetryOutcome> {
         let row = sqlx::query(statement(&on.sql.text.retry))
             .bind(id)

@@ -11,8 +11,11 @@ use crate::sql::{UNDISPATCHED_KEYED, holds_back};
 pub(crate) const NEVER: &str = "'9999-12-31 23:59:59.999+00'";
 #[cfg(feature = "postgres")]
 use crate::sql::SqlStatements;
-use crate::sql::{COLUMNS, Texts};
+use crate::sql::{COLUMNS, ROW_EXTRAS, Texts};
 use crate::tables::OutboxTables;
+
+/// Every state but `dispatched`, for the progress query.
+const NOT_DISPATCHED: &str = "'pending', 'claimed', 'failed', 'dead'";
 
 /// The statements both dialects send, in Postgres' words.
 pub(crate) fn statements(tables: &OutboxTables) -> Texts {
@@ -152,18 +155,30 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
              FROM {o} WHERE state IN ({OPEN_STATES})"
         )
         .into(),
+        inspect: format!("SELECT {COLUMNS}, {ROW_EXTRAS} FROM {o} WHERE id = $1").into(),
+        progress: format!(
+            "SELECT state, count(*), \
+             EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE isfinite(created_at)))::float8 \
+             FROM {o} WHERE state IN ({NOT_DISPATCHED}) GROUP BY state"
+        )
+        .into(),
         list: format!(
-            "SELECT {COLUMNS} FROM {o} WHERE state = $1 AND ($2::text IS NULL OR name = $2) \
+            "SELECT {COLUMNS}, {ROW_EXTRAS} FROM {o} WHERE state = $1 AND ($2::text IS NULL OR name = $2) \
              ORDER BY created_at, id LIMIT $3"
         )
         .into(),
         blocked_keys: crate::sql::blocked_keys(o, "$1").into(),
+        blocked_key_count: crate::sql::blocked_key_count(o).into(),
+        // $1 name or NULL, $2 limit: the oldest first. The outer test of the state is
+        // evaluated again on the locked row, so a row retried meanwhile is left alone.
         retry_dead: format!(
             "UPDATE {o} SET state = 'pending', attempts = 0, updated_at = now(), \
              next_attempt_at = NULL, claimed_until = NULL, claim_token = NULL \
-             WHERE state = 'dead' AND ($1::text IS NULL OR name = $1)"
+             WHERE id = ANY(ARRAY({dead})) AND state = 'dead'",
+            dead = dead_rows(o, "id"),
         )
         .into(),
+        count_dead: format!("SELECT count(*) FROM ({}) AS dead", dead_rows(o, "1")).into(),
         // Clamped to [now, now + 100 years]: an infinite time (written by another
         // writer) cannot be subtracted from now() and would fail every call.
         // Only the heads of ordering keys count: a row behind its key's head is not due
@@ -177,6 +192,14 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
         )
         .into(),
     }
+}
+
+/// `what` of the oldest `dead` rows of `$1` (a name, or NULL for any), at most `$2`.
+fn dead_rows(o: &str, what: &str) -> String {
+    format!(
+        "SELECT {what} FROM {o} WHERE state = 'dead' AND ($1::text IS NULL OR name = $1) \
+         ORDER BY created_at, id LIMIT $2"
+    )
 }
 
 /// The statements only Postgres sends.

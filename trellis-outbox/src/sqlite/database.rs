@@ -3,6 +3,7 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::sqlite::{SqliteQueryResult, SqliteRow};
@@ -10,11 +11,11 @@ use sqlx::{AssertSqlSafe, Row, Sqlite, SqliteConnection, SqlitePool, Transaction
 
 use super::sql;
 use crate::driver::sealed::{
-    Backend, Enqueue, Lease, MigrationBackend, RepositoryBackend, RowsAffected,
+    Backend, Enqueue, Lease, MigrationBackend, RepositoryBackend, RowExtras, RowsAffected,
 };
 use crate::error::{Error, Result};
 use crate::record::{OutboxMessage, PreparedOutboxRecord};
-use crate::row::{RawRow, bind_content, bind_ordering, first_id, get, headers_json, read};
+use crate::row::{RawRow, Stored, bind_content, bind_ordering, first_id, get, headers_json, read};
 use crate::sql::{SqlStatements, statement};
 use crate::tables::Dialect;
 use crate::time::format_timestamp;
@@ -59,6 +60,18 @@ impl Backend for Sqlite {
 
     fn decode(row: &SqliteRow) -> Result<OutboxMessage> {
         read::<_, &str, &str, &str, i64>(row)?.into_message()
+    }
+
+    fn decode_extras(row: &SqliteRow, id: &str) -> Result<RowExtras> {
+        let first = crate::sql::COLUMN_COUNT;
+        let claimed_until: Option<&str> = get(row, id, first + 1, "claimed_until")?;
+        Ok((
+            get(row, id, first, "claim_token")?,
+            claimed_until
+                .map(|time| Stored::into_value(time, id, "claimed_until"))
+                .transpose()?,
+            get(row, id, first + 2, "ordering_key")?,
+        ))
     }
 
     async fn insert_row(on: &mut Enqueue<'_, Self>, record: &PreparedOutboxRecord) -> Result<bool> {
@@ -175,9 +188,20 @@ impl MigrationBackend for Sqlite {
     /// SQLite's clock writes `applied_at` ([`format_timestamp`]'s format).
     const RECORD: &'static str = "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum, applied_at) VALUES (?, ?, ?, ?, strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))";
 
+    const BEGIN_STEP: &'static str = "begin immediate (the write lock)";
+
     async fn begin_migration(pool: &SqlitePool) -> sqlx::Result<Transaction<'static, Sqlite>> {
-        // BEGIN IMMEDIATE takes the write lock up front, serialising concurrent callers.
+        // BEGIN IMMEDIATE takes the write lock up front, serialising concurrent callers; it
+        // waits for the lock as long as the connection's busy timeout.
         pool.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    async fn lock_migration(
+        _: &mut Transaction<'static, Sqlite>,
+        _: Duration,
+    ) -> std::result::Result<(), (&'static str, sqlx::Error)> {
+        // Locked by BEGIN IMMEDIATE already; the whole database, so no statement waits later.
+        Ok(())
     }
 }
 

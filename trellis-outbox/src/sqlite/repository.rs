@@ -163,6 +163,11 @@ impl RepositoryBackend for Sqlite {
             .map_err(Error::repository("mark failures"))
     }
 
+    async fn wake(_: On<'_, Self>) -> sqlx::Result<()> {
+        // No notifications between processes: dispatchers find the rows at their next poll.
+        Ok(())
+    }
+
     async fn retry(on: On<'_, Self>, id: &str) -> Result<RetryOutcome> {
         // BEGIN IMMEDIATE takes the write lock first: no claim can come between the update
         // and the read of why it changed nothing.

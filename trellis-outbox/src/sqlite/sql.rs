@@ -8,11 +8,20 @@ use crate::dispatch::KNOWN_STATES;
 use crate::sql::OPEN_STATES;
 #[cfg(feature = "sqlite")]
 use crate::sql::SqlStatements;
-use crate::sql::{COLUMNS, Texts};
+use crate::sql::{COLUMNS, ROW_EXTRAS, Texts};
 use crate::tables::OutboxTables;
 
 /// SQLite's current time in the stored format, `YYYY-MM-DDTHH:MM:SS.SSSZ`.
 const NOW: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')";
+
+/// A row's `created_at` as a julianday, NULL when it is not a stored time. Other writers may
+/// store anything: `julianday` answers NULL for text that is not a date (and `min` of the
+/// text would pick such a value, `''` say, and answer NULL for the whole table), and reads a
+/// number, or numeric text, as a Julian day number (year -4713). Only text that starts with a
+/// date counts.
+const CREATED_AT_TIME: &str = "CASE WHEN typeof(created_at) = 'text' \
+     AND created_at GLOB '[0-9][0-9][0-9][0-9]-[0-9][0-9]-[0-9][0-9]*' \
+     THEN julianday(created_at) END";
 
 /// The `next_attempt_at` of a `dead` row: far enough that an upstream Trellis dispatcher,
 /// which claims every undispatched row once it is due, never takes it.
@@ -145,29 +154,42 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
              ORDER BY received_at LIMIT ?2)"
         )
         .into(),
-        // A state that is not text (another writer's) is counted under its text form.
+        // A state that is not text (another writer's) is counted under its text form. The
+        // ages leave out `created_at` values that are not times ([`CREATED_AT_TIME`]).
         status: format!(
             "SELECT COALESCE(CAST(state AS TEXT), '(null)'), count(*), \
-             (julianday({NOW}) - julianday(min(created_at))) * 86400.0 FROM {o} GROUP BY state"
+             (julianday({NOW}) - min({CREATED_AT_TIME})) * 86400.0 FROM {o} GROUP BY state"
         )
         .into(),
         backlog: format!(
-            "SELECT count(*), (julianday({NOW}) - julianday(min(created_at))) * 86400.0 \
+            "SELECT count(*), (julianday({NOW}) - min({CREATED_AT_TIME})) * 86400.0 \
              FROM {o} WHERE state IN ({OPEN_STATES})"
         )
         .into(),
+        inspect: format!("SELECT {COLUMNS}, {ROW_EXTRAS} FROM {o} WHERE id = ?").into(),
+        // `CAST(state AS TEXT)`: only text matches the list anyway.
+        progress: format!(
+            "SELECT CAST(state AS TEXT), count(*), \
+             (julianday({NOW}) - min({CREATED_AT_TIME})) * 86400.0 \
+             FROM {o} WHERE state IN ('pending', 'claimed', 'failed', 'dead') GROUP BY state"
+        )
+        .into(),
         list: format!(
-            "SELECT {COLUMNS} FROM {o} WHERE state = ?1 AND (?2 IS NULL OR name = ?2) \
+            "SELECT {COLUMNS}, {ROW_EXTRAS} FROM {o} WHERE state = ?1 AND (?2 IS NULL OR name = ?2) \
              ORDER BY created_at, id LIMIT ?3"
         )
         .into(),
         blocked_keys: crate::sql::blocked_keys(o, "?1").into(),
+        blocked_key_count: crate::sql::blocked_key_count(o).into(),
+        // ?1 name or NULL, ?2 limit: the oldest first.
         retry_dead: format!(
             "UPDATE {o} SET state = 'pending', attempts = 0, updated_at = {NOW}, \
              next_attempt_at = NULL, claimed_until = NULL, claim_token = NULL \
-             WHERE state = 'dead' AND (?1 IS NULL OR name = ?1)"
+             WHERE id IN ({dead}) AND state = 'dead'",
+            dead = dead_rows(o, "id"),
         )
         .into(),
+        count_dead: format!("SELECT count(*) FROM ({}) AS dead", dead_rows(o, "1")).into(),
         // Stored times have millisecond precision, but a julianday is a double of about
         // 2.46 million days, off by up to ~50 µs: the difference is rounded to whole
         // milliseconds, so a row due in 500 ms is never reported due in 500.017 ms.
@@ -181,6 +203,14 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
         )
         .into(),
     }
+}
+
+/// `what` of the oldest `dead` rows of `?1` (a name, or NULL for any), at most `?2`.
+fn dead_rows(o: &str, what: &str) -> String {
+    format!(
+        "SELECT {what} FROM {o} WHERE state = 'dead' AND (?1 IS NULL OR name = ?1) \
+         ORDER BY created_at, id LIMIT ?2"
+    )
 }
 
 /// The statements only SQLite sends.
