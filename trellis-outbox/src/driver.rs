@@ -13,6 +13,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::{Database, Encode, Pool, Transaction, Type};
 
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 use crate::admin::OutboxRow;
 use crate::dispatch::{Claim, ClaimRequest, Dispatched, Failure, RetryOutcome};
 use crate::error::{Error, Result};
@@ -167,6 +168,7 @@ pub(crate) mod sealed {
 
         /// Decodes a row that selected [`COLUMNS`](crate::sql::COLUMNS) and then
         /// [`ROW_EXTRAS`](crate::sql::ROW_EXTRAS).
+        #[cfg(any(feature = "postgres", feature = "sqlite"))]
         fn decode_row(row: &Self::Row) -> Result<OutboxRow> {
             let message = Self::decode(row)?;
             let (claim_token, claimed_until, ordering_key) = Self::decode_extras(row, &message.id)?;

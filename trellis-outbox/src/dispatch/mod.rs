@@ -22,12 +22,12 @@ mod repository;
 mod retry;
 mod worker;
 
-#[cfg(feature = "nats")]
 pub(crate) use claim::run_limit;
 pub use dispatcher::{
     DEFAULT_BACKLOG_EVERY, DispatcherBuilder, DispatcherHandle, OutboxDispatcher,
 };
 pub use engine::dispatch_outbox;
+#[cfg(feature = "nats")]
 pub(crate) use error::panic_message;
 pub use error::{DispatchError, Disposition, ErrorCallback};
 pub use handoff::{HandoffTarget, HandoffTransaction};
