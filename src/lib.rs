@@ -9,6 +9,7 @@ pub mod crash;
 pub mod nats;
 pub mod nats_server;
 pub mod publisher;
+pub mod relay;
 
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -115,6 +116,15 @@ impl TestPg {
         }
     }
 
+    /// The URL of this database (what the CLI takes as `DATABASE_URL`).
+    pub fn url(&self) -> String {
+        let base = database_url();
+        let server = base
+            .rsplit_once('/')
+            .map_or(base.as_str(), |(server, _)| server);
+        format!("{server}/{}", self.name)
+    }
+
     /// How many of this database's connections (other than the asking one) are listening:
     /// idle after a `LISTEN`.
     pub async fn listening_connections(&self) -> sqlx::Result<i64> {
@@ -169,6 +179,11 @@ pub struct TestSqlite {
 }
 
 impl TestSqlite {
+    /// The URL of this database (what the CLI takes as `DATABASE_URL`).
+    pub fn url(&self) -> String {
+        format!("sqlite:{}", self.path.display())
+    }
+
     /// Creates the database.
     pub async fn new() -> Self {
         let dir = tempfile::tempdir().expect("create a temporary directory");

@@ -2,7 +2,7 @@
 
 use serde_json::{Value, json};
 use trellis_outbox::{OutboxTransactionExt, PreparedOutboxRecord, migrate};
-use trellis_outbox_tests::{TestPg, TestSqlite, database_url};
+use trellis_outbox_tests::{TestPg, TestSqlite};
 
 fn run(args: &[&str]) -> Result<String, String> {
     let mut out = Vec::new();
@@ -21,16 +21,6 @@ async fn run_on(url: &str, args: &[&str]) -> Result<String, String> {
     tokio::task::spawn_blocking(move || run(&argv.iter().map(String::as_str).collect::<Vec<_>>()))
         .await
         .unwrap()
-}
-
-fn sqlite_url(db: &TestSqlite) -> String {
-    format!("sqlite:{}", db.path.display())
-}
-
-fn pg_url(db: &TestPg) -> String {
-    let base = database_url();
-    let (server, _) = base.rsplit_once('/').unwrap();
-    format!("{server}/{}", db.name)
 }
 
 /// An event record of `Orders.Placed` on `events.v1.orders.<n>`.
@@ -271,8 +261,7 @@ async fn sqlite_list_and_inspect_show_leases_and_ordering_keys() {
         .execute(&db.pool)
         .await
         .unwrap();
-    list_and_inspect_show_leases_and_ordering_keys(&sqlite_url(&db), "2099-01-02T03:04:05.678Z")
-        .await;
+    list_and_inspect_show_leases_and_ordering_keys(&db.url(), "2099-01-02T03:04:05.678Z").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -286,7 +275,7 @@ async fn pg_list_and_inspect_show_leases_and_ordering_keys() {
         .execute(&db.pool)
         .await
         .unwrap();
-    list_and_inspect_show_leases_and_ordering_keys(&pg_url(&db), "2099-01-02T03:04:05.678Z").await;
+    list_and_inspect_show_leases_and_ordering_keys(&db.url(), "2099-01-02T03:04:05.678Z").await;
     db.close().await;
 }
 
@@ -304,7 +293,7 @@ async fn list_text_escapes_control_characters_and_json_keeps_them() {
         .execute(&db.pool)
         .await
         .unwrap();
-    let url = sqlite_url(&db);
+    let url = db.url();
     let text = run_on(&url, &["list", "--state", "dead"]).await.unwrap();
     assert_eq!(text.lines().count(), 2, "{text}");
     assert!(
@@ -328,7 +317,7 @@ async fn list_text_escapes_control_characters_and_json_keeps_them() {
 async fn status_json_has_every_count() {
     let db = TestSqlite::new().await;
     migrate(&db.pool).await.unwrap();
-    let url = sqlite_url(&db);
+    let url = db.url();
     let empty: Value =
         serde_json::from_str(&run_on(&url, &["status", "--json"]).await.unwrap()).unwrap();
     assert_eq!(
@@ -377,7 +366,7 @@ async fn status_says_how_many_blocked_keys_it_leaves_out() {
         .execute(&db.pool)
         .await
         .unwrap();
-    let url = sqlite_url(&db);
+    let url = db.url();
     let text = run_on(&url, &["status"]).await.unwrap();
     let shown = text
         .lines()
@@ -417,12 +406,8 @@ async fn sqlite_lag_ignores_created_at_values_that_are_not_times() {
         };
         query.bind(&record.id).execute(&db.pool).await.unwrap();
     }
-    let status: Value = serde_json::from_str(
-        &run_on(&sqlite_url(&db), &["status", "--json"])
-            .await
-            .unwrap(),
-    )
-    .unwrap();
+    let status: Value =
+        serde_json::from_str(&run_on(&db.url(), &["status", "--json"]).await.unwrap()).unwrap();
     assert_eq!(status["counts"]["pending"], json!(4), "{status}");
     let lag = status["oldest_undispatched"].as_f64();
     assert!(lag.is_some_and(|lag| lag < 3600.0), "{status}");
@@ -477,7 +462,7 @@ async fn pg_retry_has_a_limit_and_a_dry_run_and_wakes_dispatchers() {
         .await
         .unwrap();
     listener.listen("trellis_outbox_wakeup").await.unwrap();
-    let url = pg_url(&db);
+    let url = db.url();
 
     let dry = run_on(&url, &["retry", "--all-dead", "--dry-run"])
         .await
@@ -610,7 +595,7 @@ async fn pg_migrate_gives_up_after_its_lock_timeout() {
         .execute(&mut holder)
         .await
         .unwrap();
-    let url = pg_url(&db);
+    let url = db.url();
     let outcome = tokio::time::timeout(
         std::time::Duration::from_secs(30),
         run_on(&url, &["migrate", "--lock-timeout", "300ms"]),

@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 use trellis_outbox::{OutboxTransactionExt, PreparedOutboxRecord, migrate};
 use trellis_outbox_tests::crash::ChildGuard;
 use trellis_outbox_tests::nats::{TestStream, jetstream};
-use trellis_outbox_tests::{TestPg, TestSqlite, database_url, nats_url};
+use trellis_outbox_tests::{TestPg, TestSqlite, nats_url};
 
 const BIN: &str = env!("CARGO_BIN_EXE_trellis-outbox-cli");
 
@@ -86,16 +86,6 @@ async fn stop_relay(relay: ChildGuard) -> String {
     stdout
 }
 
-fn sqlite_url(db: &TestSqlite) -> String {
-    format!("sqlite:{}", db.path.display())
-}
-
-fn pg_url(db: &TestPg) -> String {
-    let base = database_url();
-    let (server, _) = base.rsplit_once('/').unwrap();
-    format!("{server}/{}", db.name)
-}
-
 fn record(name: &str, subject: String) -> PreparedOutboxRecord {
     PreparedOutboxRecord::event(name, subject, &json!({"n": 1})).unwrap()
 }
@@ -103,7 +93,7 @@ fn record(name: &str, subject: String) -> PreparedOutboxRecord {
 #[tokio::test]
 async fn sqlite_migrate_status_list_inspect_retry_purge() {
     let db = TestSqlite::new().await;
-    let url = sqlite_url(&db);
+    let url = db.url();
     let nats = nats_url();
 
     let migrated = ok(&tool(&url, &nats, &["migrate"]));
@@ -292,7 +282,7 @@ async fn errors_are_one_line_and_a_non_zero_exit() {
 
     let db = TestSqlite::new().await;
     migrate(&db.pool).await.unwrap();
-    let no_nats = failed(&tool(&sqlite_url(&db), "nats://127.0.0.1:1", &["relay"]), 1);
+    let no_nats = failed(&tool(&db.url(), "nats://127.0.0.1:1", &["relay"]), 1);
     assert!(
         no_nats.contains("cannot reach NATS at nats://127.0.0.1:1"),
         "{no_nats}"
@@ -300,7 +290,7 @@ async fn errors_are_one_line_and_a_non_zero_exit() {
     // Secrets are masked: a NATS password and token, a `password=` parameter, and
     // environment values in `--help`.
     for nats in ["nats://u:hunter2@127.0.0.1:1", "nats://hunter2@127.0.0.1:1"] {
-        let masked = failed(&tool(&sqlite_url(&db), nats, &["relay"]), 1);
+        let masked = failed(&tool(&db.url(), nats, &["relay"]), 1);
         assert!(
             masked.contains("@127.0.0.1:1") && !masked.contains("hunter2"),
             "{masked}"
@@ -333,7 +323,7 @@ async fn errors_are_one_line_and_a_non_zero_exit() {
 async fn sqlite_relay_with_an_endless_progress_period_runs_and_stops() {
     let db = TestSqlite::new().await;
     migrate(&db.pool).await.unwrap();
-    let relay = spawn_relay(&sqlite_url(&db), "9300000000000000000s");
+    let relay = spawn_relay(&db.url(), "9300000000000000000s");
     tokio::time::sleep(Duration::from_secs(2)).await;
     let stdout = stop_relay(relay).await;
     assert!(stdout.trim_end().ends_with("stopped"), "{stdout}");
@@ -351,7 +341,7 @@ async fn postgres_relay_runs_until_sigterm_and_leaves_nothing_claimed() {
     let mut tx = db.pool.begin().await.unwrap();
     tx.enqueue_all(&records).await.unwrap();
     tx.commit().await.unwrap();
-    let url = pg_url(&db);
+    let url = db.url();
 
     let busy: Value =
         serde_json::from_str(&ok(&tool(&url, &nats_url(), &["status", "--json"]))).unwrap();

@@ -12,7 +12,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -23,13 +23,12 @@ use async_nats::jetstream::stream::Config;
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Postgres, Transaction};
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::{TcpListener, TcpStream};
 use trellis_outbox::{
     Consumer, Delivered, OutboxTransactionExt, PreparedOutboxRecord, handler_fn, migrate,
 };
 use trellis_outbox_tests::nats::{TestStream, connect_reconnecting};
 use trellis_outbox_tests::nats_server::NatsServer;
+use trellis_outbox_tests::relay::Relay;
 use trellis_outbox_tests::{TestPg, database_url};
 
 /// Events published.
@@ -81,46 +80,6 @@ async fn apply(
     Ok(())
 }
 
-/// A TCP relay from a loopback port to `upstream`; once `frozen` is set it stops
-/// forwarding what clients send (the server's side still reaches the clients).
-async fn freezable_relay(upstream: String, frozen: Arc<AtomicBool>) -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("nats://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move {
-        loop {
-            let Ok((client, _)) = listener.accept().await else {
-                return;
-            };
-            let Ok(server) = TcpStream::connect(&upstream).await else {
-                return;
-            };
-            let (mut client_read, mut client_write) = client.into_split();
-            let (mut server_read, mut server_write) = server.into_split();
-            tokio::spawn(async move {
-                let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
-            });
-            let frozen = frozen.clone();
-            tokio::spawn(async move {
-                let mut buf = vec![0_u8; 64 * 1024];
-                loop {
-                    let n = match client_read.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => n,
-                    };
-                    if frozen.load(Ordering::SeqCst) {
-                        // Swallow this and everything after: acks, pulls, pings.
-                        std::future::pending::<()>().await;
-                    }
-                    if server_write.write_all(&buf[..n]).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    url
-}
-
 /// Not a test: the body of the child process `a_consumer_killed_mid_handler…` kills.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "entry point of the consumer fault test's child process"]
@@ -141,10 +100,10 @@ async fn consumer_fault_child_process() {
         .connect_with(options)
         .await
         .unwrap();
-    let frozen = Arc::new(AtomicBool::new(false));
     let upstream = nats_url.trim_start_matches("nats://").to_owned();
-    let relay = freezable_relay(upstream, frozen.clone()).await;
-    let js = async_nats::jetstream::new(async_nats::connect(&relay).await.unwrap());
+    let relay = Relay::start(upstream).await;
+    let frozen = relay.frozen.clone();
+    let js = async_nats::jetstream::new(async_nats::connect(&relay.url).await.unwrap());
 
     let calls = Arc::new(AtomicUsize::new(0));
     let blocked = Arc::new(Mutex::new(Vec::<u64>::new()));

@@ -7,7 +7,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use async_nats::jetstream::Context;
@@ -21,6 +21,7 @@ use trellis_outbox::{
 };
 use trellis_outbox_tests::nats::jetstream;
 use trellis_outbox_tests::publisher::RecordingPublisher;
+use trellis_outbox_tests::relay::Relay;
 
 /// A fresh bucket, deleted by [`Bucket::end`].
 struct Bucket {
@@ -552,43 +553,6 @@ async fn the_kv_inbox_accepts_an_id_once_even_under_a_race() {
     let _ = js.delete_key_value(&name).await;
 }
 
-/// A TCP relay from a loopback port to `upstream` that holds back what the server sends
-/// while `paused` is set (and delivers it, in order, once it is cleared).
-async fn pausable_relay(upstream: String, paused: Arc<AtomicBool>) -> String {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("nats://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
-                return;
-            };
-            let (mut client_read, mut client_write) = client.into_split();
-            let (mut server_read, mut server_write) = server.into_split();
-            tokio::spawn(async move {
-                let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
-            });
-            let paused = paused.clone();
-            tokio::spawn(async move {
-                let mut buf = vec![0_u8; 64 * 1024];
-                loop {
-                    let n = match server_read.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => n,
-                    };
-                    while paused.load(Ordering::SeqCst) {
-                        tokio::time::sleep(Duration::from_millis(5)).await;
-                    }
-                    if client_write.write_all(&buf[..n]).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    url
-}
-
 /// The write lands but its acknowledgement comes after the client's timeout: async-nats'
 /// `create` then reads the key back and finds this call's own value. That is the first
 /// record of the id, not a duplicate (which would make the caller skip the effect).
@@ -600,14 +564,14 @@ async fn the_kv_inbox_accepts_its_own_write_whose_ack_came_late() {
         ulid::Ulid::generate().to_string().to_lowercase()
     );
     NatsKvInboxRepository::open(&js, &name).await.unwrap();
-    let paused = Arc::new(AtomicBool::new(false));
     let upstream = trellis_outbox_tests::nats_url()
         .trim_start_matches("nats://")
         .to_owned();
-    let relay = pausable_relay(upstream, paused.clone()).await;
+    let relay = Relay::start(upstream).await;
+    let paused = relay.paused.clone();
     let slow = async_nats::jetstream::ContextBuilder::new()
         .timeout(Duration::from_secs(1))
-        .build(async_nats::connect(&relay).await.unwrap());
+        .build(async_nats::connect(&relay.url).await.unwrap());
     let inbox = NatsKvInboxRepository::open(&slow, &name).await.unwrap();
 
     paused.store(true, Ordering::SeqCst);
