@@ -393,7 +393,7 @@ async fn job_row_publishes_the_created_event_once() {
                 json!({
                     "jobId": job_id,
                     "service": service,
-                    "jobType": "sync-customer",
+                    "jobType": "syncCustomer",
                     "eventType": "created",
                     "state": "pending",
                     "context": {

@@ -62,8 +62,8 @@ pub(crate) fn created_event(
     };
     let body = CreatedEvent {
         job_id: &parts.job_id,
-        service: parts.service,
-        job_type: parts.job_type,
+        service: &parts.event_service,
+        job_type: &parts.event_job_type,
         event_type: "created",
         state: "pending",
         context: WireContext {
@@ -150,6 +150,8 @@ mod tests {
     use super::*;
     use crate::nats::job_row::tests::job_row;
 
+    /// `jobType` is the queue key (the row's `name`), not the subject's job-type token:
+    /// upstream's worker looks the queue binding up by it (`jobs.queues[job.type]`).
     #[test]
     fn created_event_matches_the_wire_shape() {
         let row = job_row(
@@ -165,7 +167,7 @@ mod tests {
         assert_eq!(
             body,
             concat!(
-                r#"{"jobId":"01JOB","service":"billing","jobType":"sync-customer","eventType":"created","#,
+                r#"{"jobId":"01JOB","service":"billing","jobType":"syncCustomer","eventType":"created","#,
                 r#""state":"pending","context":{"requestId":"01REQ","traceId":"4bf92f3577b34da6a3ce929d0e0e4736","#,
                 r#""traceparent":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"},"tries":0,"maxTries":7,"#,
                 r#""payload":{"zeta":1,"alpha":{"b":2,"a":1}},"deadline":"2026-05-25T00:01:00.123Z","#,
@@ -215,6 +217,25 @@ mod tests {
         );
         assert!(body.get("lineage").is_none());
         assert_eq!(headers.get(REQUEST_ID).unwrap().as_str(), "01REQ");
+        // The submission's service and queue, as upstream's job manager writes them.
+        let named = job_row(
+            &payload
+                .replace(r#""service":"billing""#, r#""service":"billing-svc""#)
+                .replace(r#""queue":"syncCustomer""#, r#""queue":"syncAccount""#),
+            subject,
+        );
+        let (body, _) = created_event(&named, &settings).unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["service"], "billing-svc");
+        assert_eq!(body["jobType"], "syncAccount");
+        // Without a trigger, upstream's default.
+        let untriggered = job_row(
+            &payload.replace(r#","trigger":{"kind":"rpc","id":"r-1"}"#, ""),
+            subject,
+        );
+        let (body, _) = created_event(&untriggered, &settings).unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["trigger"], serde_json::json!({"kind": "serviceCode"}));
 
         let mut bare = job_row(payload, subject);
         bare.headers.clear();

@@ -28,8 +28,17 @@ pub(super) fn malformed(message: &OutboxMessage, problem: impl Into<String>) -> 
 /// The fields of a job row, borrowed where possible.
 pub(super) struct JobParts<'a> {
     pub(super) mode: JobMode,
+    /// The subject's service token.
     pub(super) service: &'a str,
+    /// The subject's job-type token.
     pub(super) job_type: &'a str,
+    /// The `service` of the `created` event: the 0.100 submission's `service`, else the
+    /// subject's service token.
+    pub(super) event_service: Cow<'a, str>,
+    /// The `jobType` of the `created` event: the queue key (the row's `name`, or the 0.100
+    /// submission's `queue`), which upstream's worker looks its queue binding up by; the
+    /// subject's job-type token only when the row has no name.
+    pub(super) event_job_type: Cow<'a, str>,
     pub(super) job_id: String,
     pub(super) submission_id: String,
     /// The job's own payload.
@@ -103,10 +112,17 @@ impl<'a> JobParts<'a> {
         }
 
         let header = |name: &str| message.headers.get(name).map(String::as_str);
+        let event_job_type = if message.name.is_empty() {
+            *job_type
+        } else {
+            message.name.as_str()
+        };
         let mut parts = Self {
             mode,
             service,
             job_type,
+            event_service: Cow::Borrowed(service),
+            event_job_type: Cow::Borrowed(event_job_type),
             job_id,
             submission_id,
             payload: UserPayload::Fields(Vec::new()),
@@ -155,6 +171,13 @@ impl<'a> JobParts<'a> {
                 self.mode.as_str()
             ));
         }
+        let service = string_field(fields, "service")?;
+        let queue = string_field(fields, "queue")?;
+        if service.is_empty() || queue.is_empty() {
+            return Err("the payload's `service` or `queue` is empty".into());
+        }
+        self.event_service = Cow::Owned(service);
+        self.event_job_type = Cow::Owned(queue);
         let take = |fields: &mut Vec<(String, Box<RawValue>)>, key: &str| {
             fields
                 .iter()
@@ -178,7 +201,12 @@ impl<'a> JobParts<'a> {
                 self.tracestate = context.tracestate.map(Cow::Owned);
             }
         }
-        self.trigger = take(fields, "trigger");
+        // Upstream's job manager defaults a submission's trigger to service code.
+        self.trigger = Some(match take(fields, "trigger") {
+            Some(trigger) => trigger,
+            None => RawValue::from_string(r#"{"kind":"serviceCode"}"#.to_owned())
+                .map_err(|e| format!("the default trigger: {e}"))?,
+        });
         self.lineage = take(fields, "lineage");
         let payload = take(fields, "payload").ok_or("the payload has no `payload`")?;
         self.payload = UserPayload::Raw(payload);
