@@ -369,12 +369,14 @@ impl TraceContext {
         PROVIDER.set(provider).is_ok()
     }
 
-    /// Adds `traceparent` and, when present and free of line breaks, `tracestate`.
+    /// Adds `traceparent` and, when present and a header value NATS can carry (no control
+    /// character but tab), `tracestate`: an unusable ambient `tracestate` is dropped, not
+    /// allowed to fail every enqueue in its scope.
     pub(crate) fn insert_headers(self, headers: &mut BTreeMap<String, String>) {
         headers.insert(TRACEPARENT.to_owned(), self.traceparent);
         if let Some(state) = self
             .tracestate
-            .filter(|s| !s.is_empty() && !s.contains(['\r', '\n']))
+            .filter(|s| !s.is_empty() && crate::wire::header_value_problem(TRACESTATE, s).is_none())
         {
             headers.insert(TRACESTATE.to_owned(), state);
         }
@@ -439,12 +441,18 @@ mod tests {
     }
 
     #[test]
-    fn tracestate_with_line_breaks_is_dropped() {
+    fn tracestate_with_control_characters_is_dropped() {
+        for state in ["a\r\nb", "a\u{1b}b", "k=v\u{85}", ""] {
+            let mut headers = BTreeMap::new();
+            TraceContext::new(TraceContext::random().traceparent, Some(state.into()))
+                .insert_headers(&mut headers);
+            assert!(headers.contains_key(TRACEPARENT));
+            assert!(!headers.contains_key(TRACESTATE), "{state:?} was kept");
+        }
         let mut headers = BTreeMap::new();
-        TraceContext::new(TraceContext::random().traceparent, Some("a\r\nb".into()))
+        TraceContext::new(TraceContext::random().traceparent, Some("a=1,\tb=2".into()))
             .insert_headers(&mut headers);
-        assert!(headers.contains_key(TRACEPARENT));
-        assert!(!headers.contains_key(TRACESTATE));
+        assert_eq!(headers[TRACESTATE], "a=1,\tb=2");
     }
 
     #[test]
