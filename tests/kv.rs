@@ -250,6 +250,51 @@ async fn a_dead_dispatchers_claim_expires_and_its_late_marks_are_fenced() {
     bucket.end().await;
 }
 
+/// Upstream's KV claimer re-claims a record whose lease ran out by spreading it
+/// (`{...record, state: "claimed", attempts: attempts + 1, …}`), so our `claimToken` stays
+/// in it. Our late marks must see that the record is no longer ours and change nothing.
+#[tokio::test]
+async fn a_record_upstream_reclaimed_keeps_our_token_but_our_late_marks_are_fenced() {
+    let bucket = Bucket::new().await;
+    let outbox = bucket.outbox();
+    outbox.enqueue(&event("shared")).await.unwrap();
+    let ours = outbox.claim_due(10, LEASE, None).await.unwrap();
+    assert_eq!(ours.messages.len(), 1);
+    // Upstream's claim, as its `claimDue` writes it.
+    let mut value = bucket.value("shared").await;
+    let attempts = value["attempts"].as_u64().unwrap();
+    value["state"] = json!("claimed");
+    value["attempts"] = json!(attempts + 1);
+    value["nextAttemptAt"] = json!("2100-01-01T00:00:00.000Z");
+    bucket
+        .store
+        .put("shared", serde_json::to_vec(&value).unwrap().into())
+        .await
+        .unwrap();
+    assert_eq!(
+        outbox
+            .mark_dispatched(&ours, &[Dispatched::new("shared")])
+            .await
+            .unwrap(),
+        0,
+        "a late mark overwrote upstream's live claim"
+    );
+    assert!(
+        !outbox
+            .mark_failure(
+                &ours,
+                Failure::retry("shared", "late", Duration::from_secs(1))
+            )
+            .await
+            .unwrap()
+    );
+    assert_eq!(outbox.release(&ours, &["shared"]).await.unwrap(), 0);
+    let stored = bucket.value("shared").await;
+    assert_eq!(stored["state"], "claimed");
+    assert_eq!(stored["attempts"], json!(attempts + 1));
+    bucket.end().await;
+}
+
 /// Records another writer stored under keys their ids do not map back to (a non-JSON value
 /// under an escaped-looking key; a good record copied under another key): the marks find
 /// the record the claim took, by its key, so the poison goes dead and the good one is

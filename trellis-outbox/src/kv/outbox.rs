@@ -1,5 +1,6 @@
 //! [`NatsKvOutboxRepository`]: an outbox in a NATS KV bucket, claimed under leases.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use async_nats::jetstream::kv::{self, CreateErrorKind, Operation, UpdateErrorKind};
@@ -116,9 +117,15 @@ impl Read {
         self.value.get(field).and_then(Value::as_str)
     }
 
-    fn held_by(&self, token: &str) -> bool {
+    /// Whether the claim `token` still holds the record. `attempts` is the count the claim
+    /// read (`None` for a record it could not decode): upstream's claimer keeps every field
+    /// it does not set (our `claimToken` too) and counts its claim in `attempts`, so a record
+    /// upstream re-claimed after our lease ran out has our token but not our count.
+    fn held_by(&self, token: &str, attempts: Option<u64>) -> bool {
         self.str("state") == Some(OutboxMessageState::Claimed.as_str())
             && self.str("claimToken") == Some(token)
+            && attempts
+                .is_none_or(|n| self.value.get("attempts").and_then(Value::as_u64) == Some(n))
     }
 
     fn id(&self) -> String {
@@ -272,6 +279,7 @@ impl NatsKvOutboxRepository {
         &self,
         claim: &Claim,
         id: &str,
+        attempts: Option<u64>,
         change: impl Fn(&mut Map<String, Value>, DateTime<Utc>),
     ) -> Result<bool> {
         let key = claim
@@ -283,7 +291,7 @@ impl NatsKvOutboxRepository {
             let Some(mut read) = self.read(&key).await? else {
                 return Ok(false);
             };
-            if !read.held_by(&claim.token) {
+            if !read.held_by(&claim.token, attempts) {
                 return Ok(false);
             }
             change(&mut read.value, now_millis());
@@ -301,11 +309,19 @@ impl NatsKvOutboxRepository {
         change: impl Fn(&str, &mut Map<String, Value>, DateTime<Utc>) + Sync,
     ) -> Result<Vec<String>> {
         let change = &change;
+        // The attempts each record had when claimed (the claim does not change them).
+        let claimed: HashMap<&str, u64> = claim
+            .messages
+            .iter()
+            .map(|m| (m.id.as_str(), u64::from(m.attempts)))
+            .collect();
+        let claimed = &claimed;
         let changes: Vec<_> = ids
             .into_iter()
             .map(|id| async move {
+                let attempts = claimed.get(id).copied();
                 let applied = self
-                    .change_held(claim, id, |value, now| change(id, value, now))
+                    .change_held(claim, id, attempts, |value, now| change(id, value, now))
                     .await?;
                 Ok::<_, Error>(applied.then(|| id.to_owned()))
             })
