@@ -107,6 +107,8 @@ struct Faulty {
     hang_reads: AtomicBool,
     /// How long `mark_dispatched` takes, in milliseconds (a slow commit).
     slow_marks: AtomicU64,
+    /// How many more one-row `mark_dispatched` calls fail with a transient error.
+    fail_single_dispatched: AtomicUsize,
 }
 
 impl Faulty {
@@ -126,6 +128,7 @@ impl Faulty {
             purges_ended: AtomicUsize::new(0),
             hang_reads: AtomicBool::new(false),
             slow_marks: AtomicU64::new(0),
+            fail_single_dispatched: AtomicUsize::new(0),
         })
     }
 }
@@ -171,6 +174,14 @@ impl OutboxRepository for Faulty {
             return Err(Error::UnknownKind(
                 "a value the batch statement refuses".into(),
             ));
+        }
+        if rows.len() == 1
+            && self
+                .fail_single_dispatched
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+        {
+            return Err(io_error());
         }
         self.inner.mark_dispatched(claim, rows).await
     }
@@ -476,6 +487,33 @@ async fn a_failed_batch_mark_falls_back_to_marking_row_by_row() {
     );
 }
 
+/// In the row-by-row fallback a transient error is not a reason to give a published row up:
+/// the mark is tried again, and a row still unmarked stays leased and is claimed again after
+/// its lease (published again, which the stream drops), never moved to `dead`, which would
+/// stop its ordering key.
+#[tokio::test(start_paused = true)]
+async fn a_transient_error_in_the_row_by_row_mark_does_not_kill_a_published_row() {
+    for failing in [1, 2] {
+        let ids = ["a", "b", "c"];
+        let memory = repo_with(&ids);
+        let repo = Faulty::new(memory.clone());
+        repo.fail_batch_dispatched.store(true, Ordering::SeqCst);
+        repo.fail_single_dispatched.store(failing, Ordering::SeqCst);
+        let publisher = RecordingPublisher::new();
+        let reports = Reports::default();
+        let dispatcher = polling_dispatcher(repo.clone(), &publisher, 10, &reports);
+        assert!(
+            eventually(|| all_dispatched(&memory, &ids)).await,
+            "{failing}"
+        );
+        dispatcher.shutdown().await;
+        let attempts: usize = ids.iter().map(|id| publisher.attempt_count(id)).sum();
+        // One failure is absorbed by the second try; two leave "a" leased, and it is
+        // published once more after its lease.
+        assert_eq!(attempts, 3 + (failing - 1), "{failing}");
+    }
+}
+
 /// Failed rows of a batch are marked in one call, and a failing batch call falls back to
 /// row by row; the rows published in the same batch are marked dispatched regardless.
 #[tokio::test(start_paused = true)]
@@ -603,4 +641,107 @@ async fn a_mark_failure_beside_a_claim_failure_is_reported() {
         reports.all()
     );
     dispatcher.shutdown().await;
+}
+
+/// A repository whose `release` answers late (a slow commit reply).
+struct SlowRelease(Arc<MemoryOutboxRepository>);
+
+impl OutboxRepository for SlowRelease {
+    async fn claim(&self, request: ClaimRequest) -> trellis_outbox::Result<Claim> {
+        self.0.claim(request).await
+    }
+    async fn mark_dispatched(
+        &self,
+        claim: &Claim,
+        rows: &[Dispatched],
+    ) -> trellis_outbox::Result<u64> {
+        self.0.mark_dispatched(claim, rows).await
+    }
+    async fn release(&self, claim: &Claim, ids: &[&str]) -> trellis_outbox::Result<u64> {
+        let released = self.0.release(claim, ids).await?;
+        sleep(Duration::from_millis(500)).await;
+        Ok(released)
+    }
+    async fn mark_failures(
+        &self,
+        claim: &Claim,
+        failures: &[Failure],
+    ) -> trellis_outbox::Result<Vec<String>> {
+        self.0.mark_failures(claim, failures).await
+    }
+    fn extends_leases(&self) -> bool {
+        true
+    }
+    async fn extend_lease(
+        &self,
+        claim: &Claim,
+        ids: &[&str],
+        lease: Duration,
+    ) -> trellis_outbox::Result<u64> {
+        self.0.extend_lease(claim, ids, lease).await
+    }
+    async fn retry(&self, id: &str) -> trellis_outbox::Result<trellis_outbox::RetryOutcome> {
+        self.0.retry(id).await
+    }
+    async fn next_due_in(&self) -> trellis_outbox::Result<Option<Duration>> {
+        self.0.next_due_in().await
+    }
+    fn overlaps_batches(&self) -> bool {
+        true
+    }
+}
+
+/// Fails its first call, after `delay`; publishes every later one.
+struct FailsFirstCall {
+    calls: AtomicUsize,
+    delay: Duration,
+}
+
+impl trellis_outbox::Publisher for FailsFirstCall {
+    async fn publish_batch(
+        &self,
+        messages: &[trellis_outbox::OutboxMessage],
+    ) -> Vec<Result<Option<serde_json::Value>, trellis_outbox::PublishError>> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+            sleep(self.delay).await;
+            return messages
+                .iter()
+                .map(|_| Err(trellis_outbox::PublishError::retryable("broker hiccup")))
+                .collect();
+        }
+        messages.iter().map(|_| Ok(None)).collect()
+    }
+}
+
+/// The rows of a key held back behind its failed head are released after the lease keeper
+/// has stopped: released while it runs, its next extension covered fewer rows than asked,
+/// looked like a lost lease, and the head's failure was never recorded (no attempt counted,
+/// no backoff).
+#[tokio::test(start_paused = true)]
+async fn releasing_rows_held_behind_a_failed_head_is_not_a_lost_lease() {
+    let memory = Arc::new(MemoryOutboxRepository::new());
+    for n in 1..=2 {
+        memory
+            .enqueue(&record(&format!("k{n}")).ordered_by("k"))
+            .unwrap();
+    }
+    let repo = SlowRelease(Arc::clone(&memory));
+    // The failure comes just before two thirds of the 3 s lease, so the keeper's extension
+    // falls due while the held row's release is being answered.
+    let publisher = FailsFirstCall {
+        calls: AtomicUsize::new(0),
+        delay: Duration::from_millis(1900),
+    };
+    let report = dispatch_outbox(
+        &repo,
+        &publisher,
+        DispatchOptions::new().lease(Duration::from_secs(3)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.failed, 1, "{report:?}");
+    let rows = memory.snapshot();
+    let head = rows.iter().find(|r| r.id == "k1").unwrap();
+    assert_eq!(head.state, OutboxMessageState::Failed);
+    assert_eq!(head.attempts, 1, "the head's failure was not recorded");
 }

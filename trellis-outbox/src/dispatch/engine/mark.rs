@@ -12,6 +12,7 @@ use crate::chain::error_chain;
 use crate::dispatch::error::{DispatchError, Disposition};
 use crate::dispatch::publisher::{PublishError, Publisher};
 use crate::dispatch::repository::{Claim, Dispatched, Failure, OutboxRepository};
+use crate::error::Error;
 use crate::metrics;
 use crate::record::OutboxMessage;
 
@@ -230,12 +231,22 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
         });
         let (mut done, mut dead) = (0, 0);
         for row in rows {
-            match self
-                .repo
-                .mark_dispatched(claim, std::slice::from_ref(row))
-                .await
-            {
+            let one = std::slice::from_ref(row);
+            let mut marked = self.repo.mark_dispatched(claim, one).await;
+            if marked.as_ref().is_err_and(Error::is_retryable) {
+                marked = self.repo.mark_dispatched(claim, one).await;
+            }
+            match marked {
                 Ok(n) => done += n,
+                // Still transient: the row stays leased and is claimed again after its
+                // lease (and published again, which the stream's de-duplication drops).
+                // Moving a published row to `dead` for a passing fault would stop its key.
+                Err(source) if source.is_retryable() => {
+                    self.emit(DispatchError::Repository {
+                        operation: "mark a published row dispatched",
+                        source,
+                    });
+                }
                 Err(source) => {
                     let reason = sanitize_text(&format!(
                         "published, but it could not be marked dispatched: {}",

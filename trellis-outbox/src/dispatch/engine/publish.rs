@@ -130,7 +130,10 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
         .instrument(span.clone())
         .await;
         let results = match kept {
-            Ok(results) => Some(results),
+            Ok((results, held)) => {
+                self.release_held(&claim, &held).await;
+                Some(results)
+            }
             Err(trouble) => {
                 let rows = claim.messages.len() as u64;
                 self.emit(DispatchError::LeaseLost { rows });
@@ -220,15 +223,20 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
     /// ordering keys, see `Claim::order_runs`): a message of a later round goes out only once
     /// the row of its key ahead of it was published, so a key never has two rows in flight.
     /// Messages held back by a failure are released, not attempted: `None` in the result.
-    async fn publish_rounds(&self, claim: &Claim) -> Vec<Option<PublishResult>> {
+    ///
+    /// Also returns the ids of the held rows, for the caller to release once the lease
+    /// keeper has stopped: released while it runs, they would make its next extension look
+    /// like a lost lease.
+    async fn publish_rounds(&self, claim: &Claim) -> (Vec<Option<PublishResult>>, Vec<String>) {
         let messages = &claim.messages;
         if claim.after.is_empty() {
-            return self
+            let results = self
                 .call_publisher(messages)
                 .await
                 .into_iter()
                 .map(Some)
                 .collect();
+            return (results, Vec::new());
         }
         let mut results: Vec<Option<PublishResult>> = messages.iter().map(|_| None).collect();
         // Decided rows (published or failed): a row goes once the row ahead of it was
@@ -262,8 +270,14 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 results[i] = Some(outcome);
             }
         }
-        let held: Vec<&str> = waiting.iter().map(|&i| messages[i].id.as_str()).collect();
+        let held = waiting.iter().map(|&i| messages[i].id.clone()).collect();
+        (results, held)
+    }
+
+    /// Releases the rows `publish_rounds` held back behind a failed row of their key.
+    async fn release_held(&self, claim: &Claim, held: &[String]) {
         if !held.is_empty() {
+            let held: Vec<&str> = held.iter().map(String::as_str).collect();
             match self.repo.release(claim, &held).await {
                 Ok(released) => {
                     tracing::debug!(
@@ -278,7 +292,6 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 }),
             }
         }
-        results
     }
 
     /// Calls the publisher, turning a panic or a wrong number of results into per-message
