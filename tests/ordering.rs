@@ -653,6 +653,31 @@ async fn a_row_that_cannot_be_claimed_ends_its_keys_run() {
     db.close().await;
 }
 
+/// The empty ordering key, which enqueue refuses but another writer can store, is walked
+/// too, also by a claim with no cursor yet (a fresh repository).
+#[tokio::test]
+async fn rows_of_the_empty_ordering_key_are_claimed() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    let record = keyed("events.v1.A.B", "k", 0);
+    let id = record.id.clone();
+    tx.enqueue(&record).await.unwrap();
+    tx.commit().await.unwrap();
+    sqlx::query("UPDATE trellis_outbox SET ordering_key = '' WHERE id = $1")
+        .bind(&id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let repo = PgOutboxRepository::new(db.pool.clone());
+    let claim = repo
+        .claim(ClaimRequest::new(10, Duration::from_secs(30)))
+        .await
+        .unwrap();
+    assert_eq!(claimed_ids(&claim), [id]);
+    db.close().await;
+}
+
 // ---- four dispatchers ----
 
 /// The Postgres claim: unkeyed rows oldest first; keyed rows key by key, round-robin (each

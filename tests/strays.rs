@@ -73,6 +73,7 @@ async fn sqlite_null_ids_and_unknown_states_go_dead_and_are_reported_once() {
         (Some("frozen-1"), "frozen", None),
         (Some("claimed-1"), "claimed", None),
         (Some("someday-1"), "failed", Some("someday")),
+        (Some("claimed-soon"), "claimed", Some("soon")),
         (Some("good-1"), "pending", None),
     ] {
         sqlx::query(insert)
@@ -100,6 +101,11 @@ async fn sqlite_null_ids_and_unknown_states_go_dead_and_are_reported_once() {
             (
                 String::new(),
                 format!("id is NULL (SQLite rowid {null_rowid})")
+            ),
+            // Left `claimed` by another writer with a time that never comes.
+            (
+                "claimed-soon".into(),
+                "next_attempt_at is not a time: 'soon'".into()
             ),
             ("frozen-1".into(), "unknown state \"frozen\"".into()),
             (
@@ -132,6 +138,11 @@ async fn sqlite_null_ids_and_unknown_states_go_dead_and_are_reported_once() {
                 Some("someday-1".into()),
                 "dead".into(),
                 Some("next_attempt_at is not a time: 'someday'".into())
+            ),
+            (
+                Some("claimed-soon".into()),
+                "dead".into(),
+                Some("next_attempt_at is not a time: 'soon'".into())
             ),
             (Some("good-1".into()), "dispatched".into(), None),
         ]
@@ -219,6 +230,7 @@ async fn postgres_unknown_states_go_dead_and_are_reported_once() {
         ("frozen-1", "frozen", None),
         ("claimed-1", "claimed", None),
         ("never-1", "pending", Some("infinity")),
+        ("claimed-never", "claimed", Some("infinity")),
         ("good-1", "pending", None),
     ] {
         sqlx::query(insert)
@@ -238,6 +250,11 @@ async fn postgres_unknown_states_go_dead_and_are_reported_once() {
     assert_eq!(
         heard,
         [
+            // Left `claimed` by another writer, never due.
+            (
+                "claimed-never".into(),
+                "next_attempt_at is infinity (never due)".into()
+            ),
             ("frozen-1".into(), "unknown state \"frozen\"".into()),
             (
                 "never-1".into(),
@@ -255,6 +272,11 @@ async fn postgres_unknown_states_go_dead_and_are_reported_once() {
         [
             // Not swept: an upstream claim without an end is due, and adopted by the claim.
             ("claimed-1".into(), "dispatched".into(), None),
+            (
+                "claimed-never".into(),
+                "dead".into(),
+                Some("next_attempt_at is infinity (never due)".into())
+            ),
             (
                 "frozen-1".into(),
                 "dead".into(),

@@ -122,7 +122,7 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
              WHEN next_attempt_at = 'infinity' THEN 'next_attempt_at is infinity (never due)' \
              ELSE 'claimed_until is infinity (never claimable)' END \
              WHERE state IS NULL OR state NOT IN ({KNOWN_STATES}) \
-             OR (state IN ('pending', 'failed') \
+             OR (state IN ({OPEN_STATES}) \
              AND (next_attempt_at = 'infinity' OR claimed_until = 'infinity')) \
              RETURNING id, last_error"
         )
@@ -318,10 +318,12 @@ impl PgOnly {
                  SELECT c.loc FROM candidate AS c LEFT JOIN cut ON cut.key = c.ordering_key \
                  WHERE cut.seq IS NULL OR c.ordering_seq IS NULL OR c.ordering_seq < cut.seq)) {returning}",
                 above = walk("above", "ordering_key > COALESCE($7, '')", "ordering_key > w.k"),
+                // With no cursor, `above` starts after '': `below` then takes the empty
+                // key (which only another writer can store).
                 below = walk(
                     "below",
-                    "ordering_key <= $7",
-                    "ordering_key > w.k AND ordering_key <= $7"
+                    "ordering_key <= COALESCE($7, '')",
+                    "ordering_key > w.k AND ordering_key <= COALESCE($7, '')"
                 ),
                 head_claimable = claimable("h"),
                 head_holds = holds("h"),

@@ -133,7 +133,7 @@ pub(crate) fn statements(tables: &OutboxTables) -> Texts {
              THEN 'next_attempt_at is not a time: ' || quote(substr(next_attempt_at, 1, 100)) \
              ELSE 'claimed_until is not a time: ' || quote(substr(claimed_until, 1, 100)) END \
              WHERE typeof(state) <> 'text' OR state NOT IN ({KNOWN_STATES}) \
-             OR (state IN ('pending', 'failed') AND (typeof(id) <> 'text' \
+             OR (state IN ({OPEN_STATES}) AND (typeof(id) <> 'text' \
              OR (next_attempt_at IS NOT NULL AND julianday(next_attempt_at) IS NULL) \
              OR (claimed_until IS NOT NULL AND julianday(claimed_until) IS NULL))) \
              RETURNING CASE typeof(id) WHEN 'text' THEN CAST(id AS BLOB) ELSE X'' END, \
