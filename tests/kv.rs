@@ -250,6 +250,36 @@ async fn a_dead_dispatchers_claim_expires_and_its_late_marks_are_fenced() {
     bucket.end().await;
 }
 
+/// Current upstream stores KV values in its typed-KV envelope (`TRKV`, format 1, a `u32`
+/// version, then the JSON). Such a record is dispatched like a bare one and written back in
+/// the same envelope, so upstream can still read it; it is not taken for poison.
+#[tokio::test]
+async fn records_in_upstreams_trkv_envelope_are_dispatched_and_stay_in_it() {
+    let bucket = Bucket::new().await;
+    let outbox = bucket.outbox();
+    outbox.enqueue(&event("wrapped")).await.unwrap();
+    let bare = bucket.store.get("wrapped").await.unwrap().unwrap();
+    let mut wrapped = b"TRKV\x01\x00\x00\x00\x03".to_vec();
+    wrapped.extend_from_slice(&bare);
+    bucket.store.put("wrapped", wrapped.into()).await.unwrap();
+    let publisher = RecordingPublisher::new();
+    let report = dispatch_outbox(&outbox, &publisher, DispatchOptions::new())
+        .await
+        .unwrap();
+    assert_eq!((report.dispatched, report.dead), (1, 0), "{report:?}");
+    assert_eq!(publisher.attempt_count("wrapped"), 1);
+    let stored = bucket.store.get("wrapped").await.unwrap().unwrap();
+    let (header, body) = stored.split_at(9);
+    assert_eq!(header, b"TRKV\x01\x00\x00\x00\x03");
+    let body: Value = serde_json::from_slice(body).unwrap();
+    assert_eq!(body["state"], "dispatched");
+    assert_eq!(
+        outbox.get("wrapped").await.unwrap().unwrap().state,
+        OutboxMessageState::Dispatched
+    );
+    bucket.end().await;
+}
+
 /// Upstream's KV claimer re-claims a record whose lease ran out by spreading it
 /// (`{...record, state: "claimed", attempts: attempts + 1, …}`), so our `claimToken` stays
 /// in it. Our late marks must see that the record is no longer ours and change nothing.

@@ -110,6 +110,21 @@ struct Read {
     value: Map<String, Value>,
     /// The raw value, when it was not a JSON object.
     raw: Option<Vec<u8>>,
+    /// The header of upstream's `TRKV` envelope the value came in, if it did: the record is
+    /// written back in it, so that upstream can still read it.
+    envelope: Option<[u8; ENVELOPE_HEADER]>,
+}
+
+/// Upstream's typed-KV envelope (`kv.ts`): `TRKV`, format 1, a big-endian `u32`
+/// representation version, then the JSON value.
+const ENVELOPE_MAGIC: &[u8; 4] = b"TRKV";
+const ENVELOPE_FORMAT: u8 = 1;
+const ENVELOPE_HEADER: usize = 9;
+
+/// Splits a value in upstream's `TRKV` envelope into its header and body.
+fn unwrap_envelope(bytes: &[u8]) -> Option<([u8; ENVELOPE_HEADER], &[u8])> {
+    let (header, body) = bytes.split_first_chunk::<ENVELOPE_HEADER>()?;
+    (header.starts_with(ENVELOPE_MAGIC) && header[4] == ENVELOPE_FORMAT).then_some((*header, body))
 }
 
 impl Read {
@@ -214,18 +229,24 @@ impl NatsKvOutboxRepository {
             .await
             .map_err(|e| kv_error("read", key, e))?;
         Ok(entry.filter(|e| e.operation == Operation::Put).map(|e| {
-            match serde_json::from_slice::<Value>(&e.value) {
+            let (envelope, body) = match unwrap_envelope(&e.value) {
+                Some((header, body)) => (Some(header), body),
+                None => (None, &e.value[..]),
+            };
+            match serde_json::from_slice::<Value>(body) {
                 Ok(Value::Object(value)) => Read {
                     key: e.key,
                     revision: e.revision,
                     value,
                     raw: None,
+                    envelope,
                 },
                 _ => Read {
                     key: e.key,
                     revision: e.revision,
                     value: Map::new(),
                     raw: Some(e.value.to_vec()),
+                    envelope: None,
                 },
             }
         }))
@@ -254,9 +275,15 @@ impl NatsKvOutboxRepository {
         Ok(out)
     }
 
-    /// Writes `value` over revision `revision`: `Ok(false)` when another writer came first.
-    async fn write(&self, key: &str, value: &Map<String, Value>, revision: u64) -> Result<bool> {
-        let bytes = serde_json::to_vec(value).map_err(|source| Error::Serialize {
+    /// Writes `read`'s value over its revision (in the envelope it came in, if any):
+    /// `Ok(false)` when another writer came first.
+    async fn write(&self, read: &Read) -> Result<bool> {
+        let (key, revision) = (read.key.as_str(), read.revision);
+        let mut bytes = Vec::new();
+        if let Some(header) = &read.envelope {
+            bytes.extend_from_slice(header);
+        }
+        serde_json::to_writer(&mut bytes, &read.value).map_err(|source| Error::Serialize {
             what: "outbox KV record",
             source,
         })?;
@@ -295,7 +322,7 @@ impl NatsKvOutboxRepository {
                 return Ok(false);
             }
             change(&mut read.value, now_millis());
-            if self.write(&key, &read.value, read.revision).await? {
+            if self.write(&read).await? {
                 return Ok(true);
             }
         }
@@ -367,7 +394,7 @@ impl NatsKvOutboxRepository {
         set(&mut read.value, "claimToken", token);
         set(&mut read.value, "nextAttemptAt", format_timestamp(until));
         set(&mut read.value, "updatedAt", format_timestamp(now));
-        self.write(&read.key, &read.value, read.revision).await
+        self.write(read).await
     }
 }
 
@@ -600,7 +627,7 @@ impl OutboxRepository for NatsKvOutboxRepository {
             read.value.insert("attempts".into(), Value::from(0));
             read.value.remove("nextAttemptAt");
             read.value.remove("claimToken");
-            if self.write(&key, &read.value, read.revision).await? {
+            if self.write(&read).await? {
                 return Ok(RetryOutcome::Retried);
             }
         }
