@@ -384,6 +384,16 @@ fn api_adds_the_descriptor_header() {
         Some(expected)
     );
     record.validate().unwrap();
+    // On the current wire its placeholder is an event parameter (base64url), as upstream
+    // builds it and `TrellisParticipantPublisher` checks it.
+    assert_eq!(
+        record.subject,
+        trellis_outbox::trellis_event_subject("documents@v1", "Documents.Changed", &["doc-1"])
+    );
+    assert_eq!(
+        record.subject,
+        "events.v1.ZG9jdW1lbnRzQHYx.Documents.Changed.ZG9jLTE"
+    );
     let plain = shipped("o-1").to_outbox_record().unwrap();
     assert!(!plain.headers.contains_key("Trellis-Event-Descriptor"));
 }

@@ -40,6 +40,18 @@ struct OldWire {
     shards: u32,
 }
 
+/// A derived event on the current wire with placeholders: its parameters are base64url.
+#[derive(Debug, Serialize, OutboxEvent)]
+#[outbox(
+    name = "Orders.Created",
+    subject = "events.v1.b3JkZXJzQHYx.Orders.Created.{order}.{tenant}",
+    api = "orders@v1"
+)]
+struct Created {
+    order: String,
+    tenant: String,
+}
+
 /// A job row: not a Trellis event.
 #[outbox_job(queue = "reindex", service = "orders", job_type = "reindex")]
 #[derive(Serialize)]
@@ -86,8 +98,14 @@ async fn stored_event_rows_pass_upstreams_restore() {
     parameterized
         .headers
         .insert("app-header".to_owned(), "kept".to_owned());
-    let (_db, rows) = stored(vec![derived, parameterized]).await;
-    assert_eq!(rows.len(), 2);
+    let created = Created {
+        order: "o-2".into(),
+        tenant: "tenant.b".into(),
+    }
+    .to_outbox_record()
+    .unwrap();
+    let (_db, rows) = stored(vec![derived, parameterized, created]).await;
+    assert_eq!(rows.len(), 3);
 
     for row in &rows {
         let event = prepared_event(row).unwrap_or_else(|e| panic!("{}: {e:?}", row.id));

@@ -125,6 +125,7 @@ fn event_impls(event: &Event) -> TokenStream {
         ordering_field,
         skip_dead,
         descriptor,
+        current_wire,
     } = event;
     let private = quote!(#krate::__private);
 
@@ -151,7 +152,7 @@ fn event_impls(event: &Event) -> TokenStream {
     let (impl_generics, ty_generics, where_clause) = generics.split_for_impl();
     let (bounded_impl_generics, _, bounded_where) = bounded.split_for_impl();
 
-    let subject_body = subject_body(subject, &private);
+    let subject_body = subject_body(subject, &private, *current_wire);
     let event_id = id_field.as_ref().map(|field| {
         let FieldRef {
             ident: field_ident,
@@ -239,8 +240,9 @@ fn event_impls(event: &Event) -> TokenStream {
     }
 }
 
-/// Renders the subject: literal runs pushed as they are, placeholders escaped.
-fn subject_body(subject: &[SubjectPart], private: &TokenStream) -> TokenStream {
+/// Renders the subject: literal runs pushed as they are, placeholders escaped (or, on the
+/// current Trellis wire, encoded as event parameters).
+fn subject_body(subject: &[SubjectPart], private: &TokenStream, current_wire: bool) -> TokenStream {
     if let [SubjectPart::Literal(literal)] = subject {
         return quote! { #private::String::from(#literal) };
     }
@@ -257,8 +259,13 @@ fn subject_body(subject: &[SubjectPart], private: &TokenStream) -> TokenStream {
         },
         SubjectPart::Field(field) => {
             let FieldRef { ident, ty } = &**field;
+            let push = if current_wire {
+                quote!(push_param_token)
+            } else {
+                quote!(push_subject_token)
+            };
             quote_spanned! {at(ty.span())=>
-                #private::push_subject_token(&mut __subject, &self.#ident);
+                #private::#push(&mut __subject, &self.#ident);
             }
         }
     });

@@ -39,7 +39,11 @@ use proc_macro::TokenStream;
 ///   descriptor identity (`v1.<base64url(api)>.<base64url(name)>.<placeholders>`, the
 ///   parameter count being the number of `{field}` placeholders in the subject) is computed at
 ///   compile time, sent as the `Trellis-Event-Descriptor` header that current Trellis
-///   dispatchers require, and available as `OrderShipped::OUTBOX_DESCRIPTOR`.
+///   dispatchers require, and available as `OrderShipped::OUTBOX_DESCRIPTOR`. When the subject
+///   is on the current Trellis wire (`events.v1.<base64url(api)>.…`, e.g.
+///   `events.v1.b3JkZXJzQHYx.Orders.Shipped.{order_id}`), its placeholders are encoded as
+///   Trellis event parameters (unpadded base64url of the `Display` output, as
+///   `trellis_event_subject` does) instead of `~HEX~`-escaped.
 /// - `crate = "path"`: where to find `trellis_outbox` when it is re-exported, e.g.
 ///   `#[outbox(crate = "my_app::outbox", ...)]`.
 ///

@@ -24,6 +24,9 @@ pub(crate) struct Event {
     pub(crate) skip_dead: bool,
     /// The `Trellis-Event-Descriptor` identity, with `api = "…"`.
     pub(crate) descriptor: Option<String>,
+    /// With `api`, a subject on the current Trellis wire (`events.v1.<base64url(api)>.…`):
+    /// its placeholders are encoded as event parameters (base64url), not `~HEX~`-escaped.
+    pub(crate) current_wire: bool,
 }
 
 /// A named field used by the generated code.
@@ -273,6 +276,12 @@ pub(crate) fn event(input: &DeriveInput) -> darling::Result<Event> {
         }
     });
 
+    let current_wire = descriptor.is_some()
+        && parsed.api.as_ref().is_some_and(|api| {
+            use base64::Engine as _;
+            let api = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(api.value());
+            template.starts_with(&format!("events.v1.{api}."))
+        });
     errors.finish_with(Event {
         ident: input.ident.clone(),
         vis: input.vis.clone(),
@@ -285,6 +294,7 @@ pub(crate) fn event(input: &DeriveInput) -> darling::Result<Event> {
         ordering_field,
         skip_dead,
         descriptor,
+        current_wire,
     })
 }
 

@@ -188,6 +188,13 @@ pub mod __private {
         crate::event::push_subject_token(out, value);
     }
 
+    /// Appends `value` to a subject as one Trellis event parameter token (unpadded
+    /// base64url), the placeholders of a current-wire subject with `api`.
+    #[inline]
+    pub fn push_param_token<T: ::core::fmt::Display + ?Sized>(out: &mut String, value: &T) {
+        crate::event::push_param_token(out, value);
+    }
+
     /// The record id of an event from its `#[outbox(id)]` field.
     #[inline]
     pub fn event_id<T: ::core::fmt::Display + ?Sized>(value: &T) -> String {
