@@ -259,10 +259,11 @@ fn subject_body(subject: &[SubjectPart], private: &TokenStream, current_wire: bo
         },
         SubjectPart::Field(field) => {
             let FieldRef { ident, ty } = &**field;
+            // Spanned at the field's type, so an unmet `Display` bound points at the field.
             let push = if current_wire {
-                quote!(push_param_token)
+                quote_spanned!(at(ty.span())=> push_param_token)
             } else {
-                quote!(push_subject_token)
+                quote_spanned!(at(ty.span())=> push_subject_token)
             };
             quote_spanned! {at(ty.span())=>
                 #private::#push(&mut __subject, &self.#ident);
