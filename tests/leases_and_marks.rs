@@ -109,6 +109,8 @@ struct Faulty {
     slow_marks: AtomicU64,
     /// How many more one-row `mark_dispatched` calls fail with a transient error.
     fail_single_dispatched: AtomicUsize,
+    /// How long `release` takes to answer after releasing, in milliseconds (a late reply).
+    slow_releases: AtomicU64,
 }
 
 impl Faulty {
@@ -129,6 +131,7 @@ impl Faulty {
             hang_reads: AtomicBool::new(false),
             slow_marks: AtomicU64::new(0),
             fail_single_dispatched: AtomicUsize::new(0),
+            slow_releases: AtomicU64::new(0),
         })
     }
 }
@@ -220,7 +223,12 @@ impl OutboxRepository for Faulty {
     }
 
     async fn release(&self, claim: &Claim, ids: &[&str]) -> trellis_outbox::Result<u64> {
-        self.inner.release(claim, ids).await
+        let released = self.inner.release(claim, ids).await?;
+        let slow = self.slow_releases.load(Ordering::SeqCst);
+        if slow > 0 {
+            sleep(Duration::from_millis(slow)).await;
+        }
+        Ok(released)
     }
 
     async fn purge_dispatched(
@@ -643,76 +651,6 @@ async fn a_mark_failure_beside_a_claim_failure_is_reported() {
     dispatcher.shutdown().await;
 }
 
-/// A repository whose `release` answers late (a slow commit reply).
-struct SlowRelease(Arc<MemoryOutboxRepository>);
-
-impl OutboxRepository for SlowRelease {
-    async fn claim(&self, request: ClaimRequest) -> trellis_outbox::Result<Claim> {
-        self.0.claim(request).await
-    }
-    async fn mark_dispatched(
-        &self,
-        claim: &Claim,
-        rows: &[Dispatched],
-    ) -> trellis_outbox::Result<u64> {
-        self.0.mark_dispatched(claim, rows).await
-    }
-    async fn release(&self, claim: &Claim, ids: &[&str]) -> trellis_outbox::Result<u64> {
-        let released = self.0.release(claim, ids).await?;
-        sleep(Duration::from_millis(500)).await;
-        Ok(released)
-    }
-    async fn mark_failures(
-        &self,
-        claim: &Claim,
-        failures: &[Failure],
-    ) -> trellis_outbox::Result<Vec<String>> {
-        self.0.mark_failures(claim, failures).await
-    }
-    fn extends_leases(&self) -> bool {
-        true
-    }
-    async fn extend_lease(
-        &self,
-        claim: &Claim,
-        ids: &[&str],
-        lease: Duration,
-    ) -> trellis_outbox::Result<u64> {
-        self.0.extend_lease(claim, ids, lease).await
-    }
-    async fn retry(&self, id: &str) -> trellis_outbox::Result<trellis_outbox::RetryOutcome> {
-        self.0.retry(id).await
-    }
-    async fn next_due_in(&self) -> trellis_outbox::Result<Option<Duration>> {
-        self.0.next_due_in().await
-    }
-    fn overlaps_batches(&self) -> bool {
-        true
-    }
-}
-
-/// Fails its first call, after `delay`; publishes every later one.
-struct FailsFirstCall {
-    calls: AtomicUsize,
-    delay: Duration,
-}
-
-impl trellis_outbox::Publisher for FailsFirstCall {
-    async fn publish_batch(
-        &self,
-        messages: &[trellis_outbox::OutboxMessage],
-    ) -> Vec<Result<Option<serde_json::Value>, trellis_outbox::PublishError>> {
-        if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
-            sleep(self.delay).await;
-            return messages
-                .iter()
-                .map(|_| Err(trellis_outbox::PublishError::retryable("broker hiccup")))
-                .collect();
-        }
-        messages.iter().map(|_| Ok(None)).collect()
-    }
-}
-
 /// The rows of a key held back behind its failed head are released after the lease keeper
 /// has stopped: released while it runs, its next extension covered fewer rows than asked,
 /// looked like a lost lease, and the head's failure was never recorded (no attempt counted,
@@ -725,15 +663,15 @@ async fn releasing_rows_held_behind_a_failed_head_is_not_a_lost_lease() {
             .enqueue(&record(&format!("k{n}")).ordered_by("k"))
             .unwrap();
     }
-    let repo = SlowRelease(Arc::clone(&memory));
+    let repo = Faulty::new(Arc::clone(&memory));
+    repo.slow_releases.store(500, Ordering::SeqCst);
     // The failure comes just before two thirds of the 3 s lease, so the keeper's extension
     // falls due while the held row's release is being answered.
-    let publisher = FailsFirstCall {
-        calls: AtomicUsize::new(0),
-        delay: Duration::from_millis(1900),
-    };
+    let publisher = RecordingPublisher::new();
+    publisher.delay("k1", Duration::from_millis(1900));
+    publisher.fail_times("k1", 1, "broker hiccup");
     let report = dispatch_outbox(
-        &repo,
+        &*repo,
         &publisher,
         DispatchOptions::new().lease(Duration::from_secs(3)),
     )
