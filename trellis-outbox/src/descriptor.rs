@@ -137,9 +137,15 @@ pub fn trellis_event_subject(api: &str, event: &str, params: &[&str]) -> String 
     let mut subject = format!("events.v1.{}.{event}", URL_SAFE_NO_PAD.encode(api));
     for param in params {
         subject.push('.');
-        subject.push_str(&URL_SAFE_NO_PAD.encode(param));
+        push_event_param(&mut subject, param);
     }
     subject
+}
+
+/// Appends `param` to `out` as one current-wire event parameter token: the unpadded
+/// base64url of its UTF-8 text.
+pub(crate) fn push_event_param(out: &mut String, param: &str) {
+    URL_SAFE_NO_PAD.encode_string(param, out);
 }
 
 #[cfg(test)]

@@ -393,10 +393,9 @@ impl Display for TraceContext {
 /// (unpadded base64url of its UTF-8 text, as `trellis_event_subject` writes it). Used by the
 /// code `#[derive(OutboxEvent)]` generates for `api` events on `events.v1.<base64url(api)>.…`.
 pub(crate) fn push_param_token<T: Display + ?Sized>(out: &mut String, value: &T) {
-    use base64::Engine as _;
     let mut text = String::new();
     let _ = write!(text, "{value}");
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode_string(text, out);
+    crate::descriptor::push_event_param(out, &text);
 }
 
 /// Appends `value`'s `Display` output to `out`, escaped as one subject token. Used by the

@@ -224,10 +224,10 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
     /// the row of its key ahead of it was published, so a key never has two rows in flight.
     /// Messages held back by a failure are released, not attempted: `None` in the result.
     ///
-    /// Also returns the ids of the held rows, for the caller to release once the lease
-    /// keeper has stopped: released while it runs, they would make its next extension look
-    /// like a lost lease.
-    async fn publish_rounds(&self, claim: &Claim) -> (Vec<Option<PublishResult>>, Vec<String>) {
+    /// Also returns the held rows (their indexes in the claim's messages), for the caller to
+    /// release once the lease keeper has stopped: released while it runs, they would make
+    /// its next extension look like a lost lease.
+    async fn publish_rounds(&self, claim: &Claim) -> (Vec<Option<PublishResult>>, Vec<usize>) {
         let messages = &claim.messages;
         if claim.after.is_empty() {
             let results = self
@@ -270,14 +270,16 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 results[i] = Some(outcome);
             }
         }
-        let held = waiting.iter().map(|&i| messages[i].id.clone()).collect();
-        (results, held)
+        (results, waiting)
     }
 
     /// Releases the rows `publish_rounds` held back behind a failed row of their key.
-    async fn release_held(&self, claim: &Claim, held: &[String]) {
+    async fn release_held(&self, claim: &Claim, held: &[usize]) {
         if !held.is_empty() {
-            let held: Vec<&str> = held.iter().map(String::as_str).collect();
+            let held: Vec<&str> = held
+                .iter()
+                .map(|&i| claim.messages[i].id.as_str())
+                .collect();
             match self.repo.release(claim, &held).await {
                 Ok(released) => {
                     tracing::debug!(
