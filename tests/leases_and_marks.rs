@@ -310,6 +310,37 @@ async fn a_publish_longer_than_the_lease_keeps_its_lease() {
     two_dispatchers_publish_each_row_once(repo.clone(), &repo, &publisher, &ids, 2, "a").await;
 }
 
+/// A batch holding a row that cannot be decoded (it goes dead after the publish) and a
+/// publish of 2.5 leases: the undecodable row's lease is kept with the others, so the second
+/// dispatcher does not claim it meanwhile and it goes dead once.
+#[tokio::test(start_paused = true)]
+async fn an_undecodable_row_keeps_its_lease_while_its_batch_publishes() {
+    let ids = ["a", "b"];
+    let repo = repo_with(&ids);
+    repo.enqueue_undecodable(&record("p"), "bad headers")
+        .unwrap();
+    let publisher = RecordingPublisher::new();
+    publisher.delay_every_batch(Duration::from_millis(2500));
+    let reports = Reports::default();
+    let first = polling_dispatcher(repo.clone(), &publisher, 3, &reports);
+    assert!(eventually(|| repo.is_leased("p")).await);
+    let second = polling_dispatcher(repo.clone(), &publisher, 3, &reports);
+    assert!(eventually(|| all_dispatched(&repo, &ids)).await);
+    sleep(Duration::from_secs(3)).await;
+    first.shutdown().await;
+    second.shutdown().await;
+    for id in ids {
+        assert_eq!(publisher.attempt_count(id), 1, "{id} was published twice");
+    }
+    let poisoned = repo.get("p").unwrap();
+    assert_eq!(poisoned.state, OutboxMessageState::Dead);
+    // Once, by the dispatcher that claimed it: not also by the second one, nor a lost lease.
+    assert_eq!(
+        reports.all(),
+        ["other: outbox message \"p\" could not be decoded and was moved to dead: bad headers"]
+    );
+}
+
 /// Starts a polling dispatcher on `repo` (over `memory`), in batches of `batch`; once it
 /// leases `leased`, a second one polling for rows whose lease ran out. After every row of
 /// `ids` is dispatched (and time for late publishes), each was published once and nothing

@@ -142,6 +142,15 @@ impl Claim {
         self.messages.len() + self.poisoned.len()
     }
 
+    /// The ids of every row the claim holds, decodable or not: what its lease covers.
+    pub(crate) fn leased_ids(&self) -> Vec<&str> {
+        self.messages
+            .iter()
+            .map(|m| m.id.as_str())
+            .chain(self.poisoned.iter().map(|p| p.id.as_str()))
+            .collect()
+    }
+
     /// Adds claimed rows (decoded, or poisoned with their id), and puts the messages in
     /// dispatch order: `RETURNING` does not keep the claim subquery's order.
     ///

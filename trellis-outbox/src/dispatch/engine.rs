@@ -348,13 +348,7 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
     /// Releases the leases of a claim that will not be attempted (shutdown, or a lease that
     /// could not be kept), reporting a failure.
     async fn release(&self, claim: &Claim) {
-        let ids: Vec<&str> = claim
-            .messages
-            .iter()
-            .map(|m| m.id.as_str())
-            .chain(claim.poisoned.iter().map(|p| p.id.as_str()))
-            .collect();
-        match self.repo.release(claim, &ids).await {
+        match self.repo.release(claim, &claim.leased_ids()).await {
             Ok(released) => tracing::debug!(released, "released rows not attempted"),
             // The rows stay leased until their lease ends, then are claimed again.
             Err(source) => self.emit(DispatchError::Repository {

@@ -72,9 +72,11 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             };
         }
         let kept = async {
-            let ids: Vec<&str> = claim.messages.iter().map(|m| m.id.as_str()).collect();
+            // Undecodable rows too: they go dead with the batch's mark, after the publish.
+            let ids = claim.leased_ids();
             let extends = self.repo.extends_leases();
-            if lease_end.saturating_duration_since(Instant::now()) < self.lease_needed(ids.len()) {
+            let needed = self.lease_needed(claim.messages.len());
+            if lease_end.saturating_duration_since(Instant::now()) < needed {
                 if !extends {
                     return Err(LeaseTrouble::Expiring);
                 }
@@ -169,10 +171,10 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
         mut lease_end: Instant,
         mark: impl Future<Output = T>,
     ) -> T {
-        if !self.repo.extends_leases() || claim.messages.is_empty() {
+        if !self.repo.extends_leases() || claim.is_empty() {
             return mark.await;
         }
-        let ids: Vec<&str> = claim.messages.iter().map(|m| m.id.as_str()).collect();
+        let ids = claim.leased_ids();
         let lease = self.options.lease;
         // Extends the lease of the rows still held; `None` once none is (all marked or
         // taken over): nothing is left to keep.
