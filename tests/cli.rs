@@ -578,6 +578,27 @@ async fn pg_progress_reads_only_rows_not_dispatched() {
     db.close().await;
 }
 
+// A schema a newer version migrated (after a rollback of the deploy, say): the tool says so
+// instead of only "already applied" (the library's warning goes to a logger the tool lacks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_names_migrations_of_a_newer_version() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    sqlx::query(
+        "INSERT INTO trellis_outbox_migrations (outbox_table, version, id, checksum) \
+         VALUES ('trellis_outbox', 99, 'trellis_sql_outbox_inbox_postgres_v99', '0')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let out = run_on(&db.url(), &["migrate"]).await.unwrap();
+    assert!(
+        out.contains("trellis_sql_outbox_inbox_postgres_v99") && out.contains("newer version"),
+        "{out}"
+    );
+    db.close().await;
+}
+
 // `migrate --lock-timeout`: behind a long transaction on the outbox table, the tool gives up
 // after the timeout with the step and "retry" instead of waiting for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -667,6 +667,82 @@ async fn a_handler_failing_twice_then_succeeding_applies_once() {
     h.end().await;
 }
 
+/// A handler that swallows a failed statement and returns `Ok`: Postgres has aborted the
+/// transaction and answers `COMMIT` with `ROLLBACK`, not an error. The message must not be
+/// counted applied and acked (nothing was written): it is redelivered and applied then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborted_postgres_transaction_is_not_acked_as_applied() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    sqlx::query("CREATE TABLE effects (event_id text NOT NULL)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let js = jetstream().await;
+    let stream = TestStream::events(&js).await;
+    let name = consumer_name();
+    durable(&stream, &name, Duration::from_secs(2), 10).await;
+    let failures: Failures = Arc::default();
+    let reported = failures.clone();
+    let consumer = Consumer::builder(
+        stream.context.clone(),
+        db.pool.clone(),
+        handler_fn(
+            |tx: &mut Transaction<'static, Postgres>, d: Delivered<Shipped>| {
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO effects (event_id) VALUES ($1)")
+                        .bind(&d.id)
+                        .execute(&mut **tx)
+                        .await?;
+                    if d.delivery == 1 {
+                        // "Already done, ignore": the error is swallowed, the transaction is not.
+                        let swallowed = sqlx::query("SELECT 1 / 0").execute(&mut **tx).await;
+                        assert!(swallowed.is_err());
+                    }
+                    Ok(())
+                })
+            },
+        ),
+    )
+    .bind(&stream.name, &name)
+    .retry_policy(quick_retry())
+    .on_error(move |f| reported.lock().unwrap().push(f.clone()))
+    .start()
+    .await
+    .unwrap();
+    publish(&js, stream.subject("shipped.o1"), Some("evt-1"), shipped(1)).await;
+    eventually(
+        Duration::from_secs(30),
+        "the message to be settled",
+        || async { pending(&stream, &name).await == (0, 0) },
+    )
+    .await;
+    let report = consumer.shutdown().await.unwrap();
+    let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let inbox: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_inbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        (effects, inbox),
+        (1, 1),
+        "applied once, by the second delivery"
+    );
+    assert_eq!((report.applied, report.redelivered), (1, 1));
+    let failures = failures.lock().unwrap().clone();
+    assert_eq!(failures.len(), 1, "{failures:?}");
+    assert_eq!(failures[0].kind, FailureKind::Database);
+    assert!(
+        failures[0].error.contains("aborted"),
+        "{}",
+        failures[0].error
+    );
+    stream.delete().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_messages_are_dead_lettered_and_the_consumer_keeps_going() {
     let h = Harness::new().await;

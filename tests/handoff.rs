@@ -188,6 +188,65 @@ async fn sqlite_rolled_back_rows_are_never_published() {
     rolled_back_rows_are_never_published(db.pool.clone()).await;
 }
 
+/// A statement that failed after the enqueue, its error swallowed: Postgres has aborted the
+/// transaction, and its `COMMIT` would roll back while sqlx reports success. The commit
+/// fails instead, and the row (never stored) is not published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_an_aborted_transaction_hands_nothing_over() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let publisher = RecordingPublisher::new();
+    let dispatcher = quiet(&db.pool, &publisher);
+    let handle = dispatcher.handle();
+    let mut tx = handle.begin(&db.pool).await.unwrap();
+    tx.enqueue(&record(1)).await.unwrap();
+    assert!(sqlx::query("SELECT 1 / 0").execute(&mut *tx).await.is_err());
+    let err = tx.commit().await.unwrap_err();
+    let code = err.as_database_error().and_then(|e| e.code());
+    assert_eq!(code.as_deref(), Some("25P02"), "{err}");
+    let kept = record(2);
+    let mut tx = handle.begin(&db.pool).await.unwrap();
+    tx.enqueue(&kept).await.unwrap();
+    tx.commit().await.unwrap();
+    settled(&db.pool, &publisher, &[&kept.id]).await;
+    dispatcher.shutdown().await;
+    assert_eq!(publisher.successes(), vec![kept.id]);
+    db.close().await;
+}
+
+/// A savepoint commits nothing until its outer transaction does, which may roll back: it
+/// cannot be handed over.
+async fn a_savepoint_is_not_handed_over<DB: OutboxDatabase>(pool: Pool<DB>) {
+    use sqlx::Acquire as _;
+    migrate(&pool).await.unwrap();
+    let publisher = RecordingPublisher::new();
+    let dispatcher = quiet(&pool, &publisher);
+    let handle = dispatcher.handle();
+    let mut outer = pool.begin().await.unwrap();
+    let savepoint = outer.begin().await.unwrap();
+    match handle.handoff(savepoint) {
+        Err(Error::Handoff { problem }) => assert!(problem.contains("savepoint"), "{problem}"),
+        other => panic!("expected Error::Handoff, got {other:?}"),
+    }
+    outer.rollback().await.unwrap();
+    let tx = pool.begin().await.unwrap();
+    handle.handoff(tx).unwrap().rollback().await.unwrap();
+    dispatcher.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_savepoint_is_not_handed_over() {
+    let db = TestPg::new().await;
+    a_savepoint_is_not_handed_over(db.pool.clone()).await;
+    db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_savepoint_is_not_handed_over() {
+    let db = TestSqlite::new().await;
+    a_savepoint_is_not_handed_over(db.pool.clone()).await;
+}
+
 /// A dispatcher that dies holding handed-over rows (aborted while its publisher hangs)
 /// leaves them leased; another dispatcher claims them once the lease ends, not before,
 /// and publishes each once.

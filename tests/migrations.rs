@@ -771,6 +771,23 @@ async fn pg_migrate_behind_a_lock(
     outcome.expect("the migration still waited for the lock after 30 s")
 }
 
+// Postgres reads `lock_timeout = 0` as no limit: a timeout under a millisecond is rounded up
+// to one, not down to "wait for ever".
+#[tokio::test]
+async fn pg_a_lock_timeout_under_a_millisecond_still_times_out() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM trellis_outbox_migrations WHERE version = 6")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let err = pg_migrate_behind_a_lock(&db, std::time::Duration::from_micros(500))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::MigrationLockTimeout { .. }), "{err:?}");
+    db.close().await;
+}
+
 // Audit: `migrate` set no lock timeout, so a deploy waited behind a long transaction for ever
 // (and every query on the table queued behind its ACCESS EXCLUSIVE request). A statement that
 // waits longer than the lock timeout fails with a typed, retryable error naming the step, and

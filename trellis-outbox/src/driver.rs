@@ -205,6 +205,15 @@ pub(crate) mod sealed {
             lease: Lease<'a>,
         ) -> impl Future<Output = Result<Vec<String>>> + Send + 'a;
 
+        /// Fails if the transaction on `conn` can no longer commit. On Postgres a failed
+        /// statement aborts the whole transaction, and `COMMIT` then answers `ROLLBACK`
+        /// without an error (sqlx reports success): a `SELECT 1`, which an aborted
+        /// transaction refuses, tells first (one round trip). On SQLite a failed statement
+        /// undoes only itself, and `COMMIT` after a rollback fails: nothing to ask.
+        fn check_committable<'a>(
+            conn: &'a mut Self::Connection,
+        ) -> impl Future<Output = sqlx::Result<()>> + Send + 'a;
+
         /// Inserts `records` in as few statements as the database's limits allow; how many
         /// rows were inserted.
         fn insert_rows<'a>(

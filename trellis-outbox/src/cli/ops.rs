@@ -171,6 +171,14 @@ async fn on<DB: OutboxDatabase>(
             for id in &report.applied {
                 writeln!(out, "applied {id}")?;
             }
+            // The library only logs this, and the tool installs no logger.
+            for id in &report.unknown {
+                writeln!(
+                    out,
+                    "warning: the database records migration {id}, which this version does not \
+                     know: a newer version of trellis-outbox migrated these tables"
+                )?;
+            }
             writeln!(
                 out,
                 "{} applied, {} already applied",

@@ -215,7 +215,9 @@ where
 
     setters! {
         /// The outbox whose inbox table records message ids (default: the `trellis_inbox`
-        /// table).
+        /// table). The inbox key is the message id alone: consumers that apply the same
+        /// events for different purposes need an inbox each, or the second skips each
+        /// message the first recorded as a duplicate. Replicas of one consumer share one.
         outbox(outbox: Outbox) => outbox;
         /// How many messages are applied at once (default [`DEFAULT_CONSUMER_CONCURRENCY`],
         /// 1 to 10,000). Each holds a database connection while it runs.

@@ -450,6 +450,21 @@ where
     };
     match outcome {
         Ok(Ok(())) => {
+            let mut tx = tx;
+            // A handler that swallowed a failed statement returns `Ok` on a transaction
+            // Postgres has aborted: its `COMMIT` would roll back and still report success.
+            if let Err(err) = DB::check_committable(&mut tx).await {
+                let _ = tx.rollback().await;
+                return Err(Failure::new(
+                    FailureKind::Database,
+                    format!(
+                        "the handler returned Ok, but a statement in its transaction failed and \
+                         aborted it: rolled back, not applied ({})",
+                        crate::chain::error_chain(&err)
+                    ),
+                    true,
+                ));
+            }
             tx.commit().await.map_err(|e| database(&e))?;
             Ok(Applied::Committed)
         }

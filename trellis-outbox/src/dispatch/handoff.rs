@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::{Pool, Transaction};
+use sqlx_core::transaction::TransactionManager as _;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::Instrument as _;
@@ -177,12 +178,20 @@ impl DispatcherHandle {
     /// # Errors
     ///
     /// [`Error::Handoff`] if the dispatcher's repository is not an SQL repository on this
-    /// kind of database (the transaction is dropped, which rolls it back).
+    /// kind of database, or if `tx` is a savepoint (begun inside another transaction): its
+    /// commit commits nothing until the outer transaction does, which may still roll back.
+    /// The transaction is dropped, which rolls it back.
     pub fn handoff<'c, DB: OutboxDatabase>(
         &self,
         tx: Transaction<'c, DB>,
     ) -> Result<HandoffTransaction<'c, DB>> {
         self.lane::<DB>()?;
+        if DB::TransactionManager::get_transaction_depth(&tx) > 1 {
+            return Err(Error::Handoff {
+                problem: "the transaction is a savepoint inside another transaction, whose \
+                          rollback would undo rows already published: hand over the outer one",
+            });
+        }
         Ok(HandoffTransaction {
             tx,
             handle: self.clone(),
@@ -347,17 +356,26 @@ impl<'c, DB: OutboxDatabase> HandoffTransaction<'c, DB> {
     /// it if rows took the usual path). Nothing is handed over if the commit fails: the
     /// rows, if the commit did happen, are claimed once their lease ends.
     ///
+    /// On Postgres, with rows to hand over, the commit first checks that no statement failed
+    /// in the transaction: Postgres answers the `COMMIT` of an aborted transaction with a
+    /// rollback that sqlx reports as success, and its rows must not be published.
+    ///
     /// # Errors
     ///
-    /// The commit's error, as [`sqlx::Transaction::commit`].
+    /// The commit's error, as [`sqlx::Transaction::commit`]; on Postgres, the server's
+    /// `current transaction is aborted` error (SQLSTATE `25P02`) if a statement failed in
+    /// the transaction (it is rolled back).
     pub async fn commit(self) -> std::result::Result<(), sqlx::Error> {
         let Self {
-            tx,
+            mut tx,
             handle,
             leased,
             since,
             notify,
         } = self;
+        if !leased.is_empty() {
+            DB::check_committable(&mut tx).await?;
+        }
         tx.commit().await?;
         if let (Some(since), false) = (since, leased.is_empty())
             && let Some(lane) = handle.handoffs()

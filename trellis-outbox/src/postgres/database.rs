@@ -121,6 +121,13 @@ impl Backend for Postgres {
             .map_err(Error::enqueue(ids.first().copied().unwrap_or_default()))
     }
 
+    async fn check_committable(conn: &mut PgConnection) -> sqlx::Result<()> {
+        sqlx::raw_sql("SELECT 1")
+            .execute(&mut *conn)
+            .await
+            .map(drop)
+    }
+
     async fn insert_rows(
         on: &mut Enqueue<'_, Self>,
         records: &[PreparedOutboxRecord],
@@ -212,7 +219,12 @@ impl MigrationBackend for Postgres {
             .map_err(|e| ("advisory lock", e))?;
         // For this transaction only (`is_local`). A DDL statement queued behind a long
         // transaction holds up every query on its table after it: give up instead.
-        let millis = lock_timeout.as_millis().min(i32::MAX as u128);
+        // Rounded up: Postgres reads `0ms` as no limit, which a timeout under a millisecond
+        // must not become.
+        let millis = lock_timeout
+            .as_nanos()
+            .div_ceil(1_000_000)
+            .min(i32::MAX as u128);
         sqlx::query("SELECT set_config('lock_timeout', $1, true)")
             .bind(format!("{millis}ms"))
             .execute(&mut **tx)

@@ -124,6 +124,10 @@ impl Backend for Sqlite {
             .map_err(Error::enqueue(ids.first().copied().unwrap_or_default()))
     }
 
+    async fn check_committable(_conn: &mut SqliteConnection) -> sqlx::Result<()> {
+        Ok(())
+    }
+
     async fn insert_rows(
         on: &mut Enqueue<'_, Self>,
         records: &[PreparedOutboxRecord],
