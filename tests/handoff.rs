@@ -321,6 +321,60 @@ async fn sqlite_rows_of_a_dead_dispatcher_are_claimed_after_their_lease() {
     rows_of_a_dead_dispatcher_are_claimed_after_their_lease(db.pool.clone()).await;
 }
 
+/// Published handed-over rows wait a little to be marked together. While they wait, the
+/// lane publishes the next handoff; if that publish outlasts their lease, they must still be
+/// marked in time, not claimed by a drain and published again.
+async fn rows_waiting_for_their_mark_keep_their_lease<DB: OutboxDatabase>(pool: Pool<DB>) {
+    migrate(&pool).await.unwrap();
+    let lease = Duration::from_millis(600);
+    let publisher = RecordingPublisher::new();
+    let (first, second) = (record(1), record(2));
+    let gate = publisher.hold(&first.id);
+    publisher.delay(&second.id, Duration::from_secs(2));
+    let dispatcher =
+        OutboxDispatcher::builder(SqlOutboxRepository::new(pool.clone()), publisher.clone())
+            .lease(lease)
+            .idle_interval(Duration::from_millis(20))
+            .start()
+            .unwrap();
+    let handle = dispatcher.handle();
+    let mut tx = handle.begin(&pool).await.unwrap();
+    tx.enqueue(&first).await.unwrap();
+    tx.commit().await.unwrap();
+    let start = Instant::now();
+    while publisher.attempt_count(&first.id) == 0 {
+        assert!(
+            start.elapsed() < WAIT,
+            "the first handoff never reached the publisher"
+        );
+        sleep(Duration::from_millis(5)).await;
+    }
+    // Queued behind the first: the lane takes it as soon as the first is published.
+    let mut tx = handle.begin(&pool).await.unwrap();
+    tx.enqueue(&second).await.unwrap();
+    tx.commit().await.unwrap();
+    gate.open();
+    settled(&pool, &publisher, &[&first.id, &second.id]).await;
+    dispatcher.shutdown().await;
+    assert_eq!(
+        publishes(&publisher),
+        HashMap::from([(first.id.clone(), 1), (second.id.clone(), 1)])
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_rows_waiting_for_their_mark_keep_their_lease() {
+    let db = TestPg::new().await;
+    rows_waiting_for_their_mark_keep_their_lease(db.pool.clone()).await;
+    db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_rows_waiting_for_their_mark_keep_their_lease() {
+    let db = TestSqlite::new().await;
+    rows_waiting_for_their_mark_keep_their_lease(db.pool.clone()).await;
+}
+
 /// A transaction that commits after its rows' lease ended: another dispatcher may claim
 /// them at once, while the handoff arrives past its deadline. Each row is still
 /// published once (the handoff re-takes the lease by its token only if nobody claimed the

@@ -14,8 +14,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio::time::{Instant, sleep_until};
 
 use super::{
-    Engine, Leased, MARKS_IN_FLIGHT, Marked, Published, batch_span, beside_marks, deadline,
-    finish_marks,
+    Engine, Leased, MARKS_IN_FLIGHT, Marked, Published, batch_span, deadline, finish_marks,
 };
 use crate::dispatch::handoff::Handoff;
 use crate::dispatch::publisher::Publisher;
@@ -31,7 +30,8 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
     /// Publishes handed-over rows as they arrive (what arrived together, up to the batch
     /// size in transactions, as one batch under the earliest of their leases), until
     /// shutdown. Published rows are marked together once the first of them has waited
-    /// [`MARK_WINDOW`] or they fill a batch, beside the next publishes (at most
+    /// [`MARK_WINDOW`] or they fill a batch, or when a third of their lease is left (even
+    /// while the next handoff publishes), beside the next publishes (at most
     /// [`MARKS_IN_FLIGHT`] marks at once). On shutdown, rows not yet published are released
     /// (claimable at once) and the marks finish. `wake` (the drains' notify channel) is told
     /// when a batch left failed rows, so the dispatcher arms its retry timer for them.
@@ -97,7 +97,29 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             let leased = leased(token, received.drain(..));
             ::metrics::histogram!(metrics::HANDED_OVER_ROWS).record(leased.claim.len() as f64);
             let span = batch_span(&leased.claim);
-            let published = beside_marks(self.publish(leased, span), &mut marks, settle).await;
+            // Rows waiting for their mark do not wait through the whole publish: once a third
+            // of their lease is left, their mark starts beside it (and keeps their lease).
+            let keep_until = unmarked.as_ref().map(|(published, _)| {
+                let end = published.lease_end;
+                end.checked_sub(self.options.lease / 3).unwrap_or(end)
+            });
+            let published = {
+                let mut publish = pin!(self.publish(leased, span));
+                loop {
+                    tokio::select! {
+                        biased;
+                        published = &mut publish => break published,
+                        Some(marked) = marks.next() => settle(marked),
+                        () = sleep_until(keep_until.unwrap_or_else(Instant::now)),
+                            if keep_until.is_some() && unmarked.is_some() =>
+                        {
+                            if let Some((waiting, _)) = unmarked.take() {
+                                marks.push(self.mark(waiting, Some(&slots)));
+                            }
+                        }
+                    }
+                }
+            };
             // Not published (the lease could not be kept): released, nothing to mark. The
             // rows are claimable at once, and no commit will announce them: wake the drains.
             if published.results.is_none() {
