@@ -445,12 +445,11 @@ where
             }
         }
     };
-    let Some((tx, outcome)) = worked? else {
+    let Some((mut tx, outcome)) = worked? else {
         return Ok(Applied::Duplicate);
     };
     match outcome {
         Ok(Ok(())) => {
-            let mut tx = tx;
             // A handler that swallowed a failed statement returns `Ok` on a transaction
             // Postgres has aborted: its `COMMIT` would roll back and still report success.
             if let Err(err) = DB::check_committable(&mut tx).await {

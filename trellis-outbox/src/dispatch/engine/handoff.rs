@@ -67,8 +67,7 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             // or when a third of their lease is left, slot or not (the mark keeps the lease
             // while it waits for one).
             let mark_at = unmarked.as_ref().map(|(published, since)| {
-                let end = published.lease_end;
-                let keep = end.checked_sub(self.options.lease / 3).unwrap_or(end);
+                let keep = self.mark_by(published);
                 if marks.len() < MARKS_IN_FLIGHT {
                     keep.min(deadline(*since, MARK_WINDOW))
                 } else {
@@ -99,10 +98,9 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             let span = batch_span(&leased.claim);
             // Rows waiting for their mark do not wait through the whole publish: once a third
             // of their lease is left, their mark starts beside it (and keeps their lease).
-            let keep_until = unmarked.as_ref().map(|(published, _)| {
-                let end = published.lease_end;
-                end.checked_sub(self.options.lease / 3).unwrap_or(end)
-            });
+            let keep_until = unmarked
+                .as_ref()
+                .map(|(published, _)| self.mark_by(published));
             let published = {
                 let mut publish = pin!(self.publish(leased, span));
                 loop {
@@ -111,7 +109,7 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                         published = &mut publish => break published,
                         Some(marked) = marks.next() => settle(marked),
                         () = sleep_until(keep_until.unwrap_or_else(Instant::now)),
-                            if keep_until.is_some() && unmarked.is_some() =>
+                            if unmarked.is_some() =>
                         {
                             if let Some((waiting, _)) = unmarked.take() {
                                 marks.push(self.mark(waiting, Some(&slots)));
@@ -156,6 +154,13 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             self.release(&leased(token, received.drain(..)).claim).await;
         }
         finish_marks(&mut marks, 0, settle).await;
+    }
+
+    /// When published rows waiting to be marked must start their mark, slot or not: with a
+    /// third of their lease left (the mark keeps the lease while it waits for a slot).
+    fn mark_by(&self, published: &Published) -> Instant {
+        let end = published.lease_end;
+        end.checked_sub(self.options.lease / 3).unwrap_or(end)
     }
 }
 
