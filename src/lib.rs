@@ -6,6 +6,7 @@
 
 pub mod chaos;
 pub mod crash;
+pub mod cut;
 pub mod nats;
 pub mod nats_server;
 pub mod publisher;

@@ -631,6 +631,251 @@ async fn messages_waiting_for_a_connection_are_kept_alive() {
     h.end().await;
 }
 
+/// A database that cannot serve the consumer (here: its one pooled connection is taken, so
+/// every acquire times out) is not the messages' fault. They must not spend their deliveries
+/// (two here) and be dead-lettered: each is held in progress and tried again in place, and is
+/// applied at its first delivery once the database is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_out_of_reach_spends_no_deliveries() {
+    let h = Harness::new().await;
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_millis(200))
+        .connect_with(
+            sqlx::sqlite::SqliteConnectOptions::new()
+                .filename(&h.db.path)
+                .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal),
+        )
+        .await
+        .unwrap();
+    let held = pool.acquire().await.unwrap();
+    let deliveries = h.deliveries.clone();
+    let failures = h.failures.clone();
+    let consumer = Consumer::builder(
+        h.stream.context.clone(),
+        pool,
+        handler_fn(
+            move |tx: &mut Transaction<'static, Sqlite>, d: Delivered<Shipped>| {
+                let deliveries = deliveries.clone();
+                Box::pin(async move {
+                    deliveries
+                        .lock()
+                        .unwrap()
+                        .entry(d.id.clone())
+                        .or_default()
+                        .push(d.delivery);
+                    sqlx::query("INSERT INTO effects (event_id) VALUES (?)")
+                        .bind(&d.id)
+                        .execute(&mut **tx)
+                        .await?;
+                    Ok(())
+                })
+            },
+        ),
+    )
+    .bind(&h.stream.name, &h.name)
+    .retry_policy(quick_retry())
+    .max_deliveries(2)
+    .concurrency(3)
+    .on_error(move |f| failures.lock().unwrap().push(f.clone()))
+    .start()
+    .await
+    .unwrap();
+    publish_shipped(&h, 0, 3).await;
+    // Many acquire timeouts each, well past two deliveries' worth.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        consumer.report().database_retries >= 9,
+        "{:?}",
+        consumer.report()
+    );
+    drop(held);
+    eventually(Duration::from_secs(30), "three events applied", || async {
+        consumer.report().applied == 3
+    })
+    .await;
+    h.settled().await;
+    let report = consumer.shutdown().await.unwrap();
+    assert_eq!(
+        (report.redelivered, report.dead_lettered, report.terminated),
+        (0, 0, 0),
+        "{report:?}"
+    );
+    for n in 0..3 {
+        let id = format!("evt-{n}");
+        assert_eq!(h.effects(&id).await, 1, "{id} applied once");
+        assert_eq!(
+            h.deliveries.lock().unwrap()[&id],
+            vec![1],
+            "{id}: one delivery"
+        );
+    }
+    let failures = h.failures.lock().unwrap().clone();
+    assert!(failures.len() >= 9, "{failures:?}");
+    assert!(
+        failures.iter().all(|f| f.kind == FailureKind::Database
+            && f.delivery == 1
+            && matches!(f.action, FailureAction::RetryInPlace { .. })
+            && f.error.contains("timed out")),
+        "{failures:?}"
+    );
+    assert!(dead_letters(&h.stream.context, &h.name).await.is_empty());
+    h.end().await;
+}
+
+/// `shutdown` during a database outage does not wait for the database: a message held for
+/// another attempt is handed back to JetStream (a nak) and the consumer stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_does_not_wait_for_a_database_out_of_reach() {
+    let h = Harness::new().await;
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_millis(100))
+        .connect_with(sqlx::sqlite::SqliteConnectOptions::new().filename(&h.db.path))
+        .await
+        .unwrap();
+    let held = pool.acquire().await.unwrap();
+    let consumer = Consumer::builder(
+        h.stream.context.clone(),
+        pool,
+        handler_fn(
+            |_: &mut Transaction<'static, Sqlite>, _: Delivered<Shipped>| {
+                Box::pin(async { Ok(()) })
+            },
+        ),
+    )
+    .bind(&h.stream.name, &h.name)
+    // Long waits between attempts: shutdown must not sit them out.
+    .retry_policy(RetryPolicy::fixed(Duration::from_secs(60)))
+    .start()
+    .await
+    .unwrap();
+    publish_shipped(&h, 0, 1).await;
+    eventually(Duration::from_secs(30), "a retry in place", || async {
+        consumer.report().database_retries >= 1
+    })
+    .await;
+    let started = Instant::now();
+    let report = tokio::time::timeout(Duration::from_secs(10), consumer.shutdown())
+        .await
+        .expect("shutdown returns without the database")
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!((report.applied, report.redelivered), (0, 1), "{report:?}");
+    drop(held);
+    h.end().await;
+}
+
+/// The same over a real outage: Postgres behind a relay that cuts every connection and then
+/// refuses new ones for a while. Messages published meanwhile are applied once it is back,
+/// each at its first delivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_outage_spends_no_deliveries() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    sqlx::query("CREATE TABLE effects (event_id text NOT NULL, delivery bigint NOT NULL)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let outage = trellis_outbox_tests::cut::CutRelay::start(format!(
+        "{}:{}",
+        db.options.get_host(),
+        db.options.get_port()
+    ))
+    .await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_with(db.options.clone().host("127.0.0.1").port(outage.port))
+        .await
+        .unwrap();
+    let js = jetstream().await;
+    let stream = TestStream::events(&js).await;
+    let name = consumer_name();
+    durable(&stream, &name, Duration::from_secs(2), 3).await;
+    let failures: Failures = Arc::default();
+    let reported = failures.clone();
+    let consumer = Consumer::builder(
+        stream.context.clone(),
+        pool,
+        handler_fn(
+            |tx: &mut Transaction<'static, Postgres>, d: Delivered<Shipped>| {
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO effects (event_id, delivery) VALUES ($1, $2)")
+                        .bind(&d.id)
+                        .bind(i64::try_from(d.delivery).unwrap())
+                        .execute(&mut **tx)
+                        .await?;
+                    Ok(())
+                })
+            },
+        ),
+    )
+    .bind(&stream.name, &name)
+    .retry_policy(quick_retry())
+    .on_error(move |f| reported.lock().unwrap().push(f.clone()))
+    .start()
+    .await
+    .unwrap();
+    publish(&js, stream.subject("shipped.o0"), Some("evt-0"), shipped(0)).await;
+    eventually(
+        Duration::from_secs(30),
+        "the first event applied",
+        || async { consumer.report().applied == 1 },
+    )
+    .await;
+    outage.down();
+    for n in 1..4 {
+        let subject = stream.subject(&format!("shipped.o{n}"));
+        publish(&js, subject, Some(&format!("evt-{n}")), shipped(n)).await;
+    }
+    // Three ack waits: had the messages not been kept in progress, the server would have
+    // spent their last delivery (3) by now.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert!(
+        consumer.report().database_retries >= 12,
+        "{:?}",
+        consumer.report()
+    );
+    outage.up();
+    eventually(Duration::from_secs(30), "four events applied", || async {
+        consumer.report().applied == 4
+    })
+    .await;
+    eventually(Duration::from_secs(30), "every message settled", || async {
+        pending(&stream, &name).await == (0, 0)
+    })
+    .await;
+    let report = consumer.shutdown().await.unwrap();
+    assert_eq!(
+        (report.redelivered, report.dead_lettered, report.terminated),
+        (0, 0, 0),
+        "{report:?}"
+    );
+    let effects: Vec<(String, i64)> =
+        sqlx::query_as("SELECT event_id, delivery FROM effects ORDER BY event_id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let expected: Vec<(String, i64)> = (0..4).map(|n| (format!("evt-{n}"), 1)).collect();
+    assert_eq!(
+        effects, expected,
+        "each applied once, at its first delivery"
+    );
+    let failures = failures.lock().unwrap().clone();
+    assert!(
+        failures.iter().all(|f| f.kind == FailureKind::Database
+            && matches!(f.action, FailureAction::RetryInPlace { .. })),
+        "{failures:?}"
+    );
+    assert!(dead_letters(&js, &name).await.is_empty());
+    stream.delete().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_failing_twice_then_succeeding_applies_once() {
     let h = Harness::new().await;

@@ -352,6 +352,34 @@ pub(crate) fn sqlx_is_retryable(error: &sqlx::Error) -> bool {
     }
 }
 
+/// Whether a driver error says the database could not serve anyone just now (the network,
+/// the pool, the server starting, stopping or out of connections, an SQLite file locked by
+/// another writer), as against something in the work itself: a deadlock or a serialization
+/// failure is retryable but caused by the work, and so is not counted here.
+pub(crate) fn sqlx_is_unavailable(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => database_is_unavailable(db.as_ref()),
+        _ => false,
+    }
+}
+
+/// [`sqlx_is_unavailable`] for a database error.
+fn database_is_unavailable(db: &dyn sqlx::error::DatabaseError) -> bool {
+    #[cfg(feature = "postgres")]
+    if let Some(pg) = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
+        let code = pg.code();
+        return code.starts_with("08")
+            || code.starts_with("53")
+            || matches!(code, "57P01" | "57P02" | "57P03");
+    }
+    // SQLite's retryable codes (BUSY, LOCKED) are all another connection's lock.
+    database_is_retryable(db)
+}
+
 /// Whether a database error is transient, by the rules of the driver that raised it; an
 /// error from any other driver is not.
 fn database_is_retryable(db: &dyn sqlx::error::DatabaseError) -> bool {

@@ -49,7 +49,9 @@ pub(crate) type OnFailure = Arc<dyn Fn(&ConsumeFailure) + Send + Sync>;
 /// [`HandlerError::permanent`](super::HandlerError::permanent) error) the message is copied to
 /// the dead-letter subject `_trellis.consumer.dlq.<consumer>` (stream `trellis_consumer_dlq`)
 /// with the error in a header, and terminated. A message without an id or whose payload is not
-/// `E` is dead-lettered at once.
+/// `E` is dead-lettered at once. A database out of reach spends no delivery: the message is
+/// kept in progress and tried again in place until the database is back
+/// ([`FailureAction::RetryInPlace`](super::FailureAction::RetryInPlace)).
 ///
 /// # Examples
 ///
@@ -328,10 +330,8 @@ where
             (None, Some(server)) => server.saturating_sub(1).max(1),
             (None, None) => DEFAULT_MAX_DELIVERIES,
         };
-        let keep_alive = self
-            .options
-            .keep_alive
-            .then(|| (config.ack_wait / 2).max(Duration::from_millis(50)));
+        let progress_every = (config.ack_wait / 2).max(Duration::from_millis(50));
+        let keep_alive = self.options.keep_alive.then_some(progress_every);
         let dead_letter_subject = if self.options.dead_letters {
             self.dead_letter_stream().await?;
             Some(format!("{DEAD_LETTER_SUBJECT_PREFIX}.{}", target.consumer))
@@ -339,6 +339,7 @@ where
             None
         };
         let stats = Arc::new(Stats::default());
+        let cancel = CancellationToken::new();
         let shared = Arc::new(Shared {
             pool: self.pool,
             handler: self.handler,
@@ -350,12 +351,13 @@ where
                 retry: self.options.retry,
                 dead_letter_subject,
                 keep_alive,
+                progress_every,
             },
             on_failure: self.on_failure,
             stats: stats.clone(),
+            cancel: cancel.clone(),
             _event: PhantomData,
         });
-        let cancel = CancellationToken::new();
         let task = tokio::spawn(run::run(
             shared,
             consumer,

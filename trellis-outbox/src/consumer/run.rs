@@ -51,6 +51,9 @@ pub mod dead_letter_headers {
 const MAX_ERROR_HEADER: usize = 4096;
 /// How long publishing a dead-letter copy may take.
 const DEAD_LETTER_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest pause between two attempts at a message while the database is out of reach:
+/// the retry policy's delays grow to minutes, but a database that is back should be used soon.
+const MAX_DATABASE_WAIT: Duration = Duration::from_secs(10);
 /// The pause after a pull error before pulling again.
 const PULL_RETRY: Duration = Duration::from_millis(500);
 
@@ -62,6 +65,7 @@ pub(crate) struct Stats {
     redelivered: AtomicU64,
     dead_lettered: AtomicU64,
     terminated: AtomicU64,
+    database_retries: AtomicU64,
 }
 
 impl Stats {
@@ -72,6 +76,7 @@ impl Stats {
             redelivered: self.redelivered.load(Ordering::Relaxed),
             dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
             terminated: self.terminated.load(Ordering::Relaxed),
+            database_retries: self.database_retries.load(Ordering::Relaxed),
         }
     }
 }
@@ -120,6 +125,9 @@ pub(crate) struct Settings {
     pub(crate) dead_letter_subject: Option<String>,
     /// How often an in-progress ack is sent while a handler runs, if at all.
     pub(crate) keep_alive: Option<Duration>,
+    /// How often an in-progress ack is sent while waiting for the database (half the ack
+    /// wait), whether or not `keep_alive` is on: the wait must not spend a delivery.
+    pub(crate) progress_every: Duration,
 }
 
 impl Settings {
@@ -145,6 +153,8 @@ pub(crate) struct Shared<DB: OutboxDatabase, E, H> {
     pub(crate) settings: Settings,
     pub(crate) on_failure: Option<super::builder::OnFailure>,
     pub(crate) stats: Arc<Stats>,
+    /// Cancelled by `shutdown`: ends a wait for the database.
+    pub(crate) cancel: CancellationToken,
     pub(crate) _event: PhantomData<fn() -> E>,
 }
 
@@ -273,6 +283,9 @@ struct Failure {
     kind: FailureKind,
     error: String,
     retryable: bool,
+    /// The database could not be reached: not the message's fault, so it is tried again in
+    /// place rather than spending a delivery.
+    unavailable: bool,
 }
 
 impl Failure {
@@ -281,8 +294,25 @@ impl Failure {
             kind,
             error,
             retryable,
+            unavailable: false,
         }
     }
+
+    /// A database failure; `unavailable` when the cause is the database being out of reach.
+    fn database(err: &(dyn std::error::Error + 'static)) -> Self {
+        Self {
+            unavailable: database_unavailable(err),
+            ..Self::new(FailureKind::Database, crate::chain::error_chain(err), true)
+        }
+    }
+}
+
+/// Whether `err` or one of its causes is a driver error saying the database is out of reach.
+fn database_unavailable(err: &(dyn std::error::Error + 'static)) -> bool {
+    std::iter::successors(Some(err), |err| err.source()).any(|err| {
+        err.downcast_ref::<sqlx::Error>()
+            .is_some_and(crate::error::sqlx_is_unavailable)
+    })
 }
 
 enum Applied {
@@ -324,55 +354,54 @@ where
         );
         return give_up(shared, &mut at, failure).await;
     };
-    // A user's `Deserialize` (a `deserialize_with`, say) may panic: the message is then
-    // poison like any undecodable one, not lost to a task that ended without settling it.
-    let decoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        serde_json::from_slice::<E>(&message.payload)
-    }));
-    let event: E = match decoded {
-        Ok(Ok(event)) => event,
-        Ok(Err(err)) => {
-            let failure = Failure::new(
-                FailureKind::Undecodable,
-                format!(
-                    "the payload is not a valid {}: {err}",
-                    std::any::type_name::<E>()
-                ),
-                false,
-            );
-            return give_up(shared, &mut at, failure).await;
-        }
-        Err(panic) => {
-            let failure = Failure::new(
-                FailureKind::Undecodable,
-                format!(
-                    "decoding the payload as {} panicked: {}",
-                    std::any::type_name::<E>(),
-                    crate::dispatch::panic_message(&*panic)
-                ),
-                false,
-            );
-            return give_up(shared, &mut at, failure).await;
+    let time = headers
+        .get(TRELLIS_EVENT_TIME)
+        .and_then(|time| parse_timestamp(time).ok());
+    let mut waits = 0u32;
+    let mut headers = Some(headers);
+    let applied = loop {
+        // Decoded for each attempt: the handler takes the event, and an attempt the database
+        // turned away is made again in place.
+        let event: E = match decode(&message) {
+            Ok(event) => event,
+            Err(failure) => return give_up(shared, &mut at, failure).await,
+        };
+        let delivered = Delivered {
+            event,
+            id: id.clone(),
+            time,
+            subject: message.subject.to_string(),
+            headers: headers
+                .take()
+                .unwrap_or_else(|| first_values(message.headers.as_ref())),
+            delivery,
+            stream_sequence,
+        };
+        let span = consume_span(&shared.consumer_name, &delivered);
+        let started = std::time::Instant::now();
+        let applied = apply(shared, &message, &id, delivered)
+            .instrument(span)
+            .await;
+        metrics::histogram!(crate::metrics::HANDLE_SECONDS, "consumer" => shared.consumer_name.clone())
+            .record(started.elapsed().as_secs_f64());
+        match applied {
+            // A database out of reach is not the message's fault: redelivering would spend
+            // its deliveries and, over a long enough outage, dead-letter healthy messages.
+            // Hold it (in progress, so the server does not redeliver it) and try again.
+            Err(failure) if failure.unavailable && !shared.cancel.is_cancelled() => {
+                waits = waits.saturating_add(1);
+                let after = shared.settings.retry.delay(waits).min(MAX_DATABASE_WAIT);
+                bump(&shared.stats.database_retries);
+                report(shared, &at, &failure, FailureAction::RetryInPlace { after });
+                if !wait_in_place(shared, &message, after).await {
+                    // Shut down while waiting: hand it back as any failed delivery.
+                    let after = shared.settings.delay_after(delivery);
+                    return redeliver(shared, &at, &failure, after).await;
+                }
+            }
+            applied => break applied,
         }
     };
-    let delivered = Delivered {
-        event,
-        id: id.clone(),
-        time: headers
-            .get(TRELLIS_EVENT_TIME)
-            .and_then(|time| parse_timestamp(time).ok()),
-        subject: message.subject.to_string(),
-        headers,
-        delivery,
-        stream_sequence,
-    };
-    let span = consume_span(&shared.consumer_name, &delivered);
-    let started = std::time::Instant::now();
-    let applied = apply(shared, &message, &id, delivered)
-        .instrument(span)
-        .await;
-    metrics::histogram!(crate::metrics::HANDLE_SECONDS, "consumer" => shared.consumer_name.clone())
-        .record(started.elapsed().as_secs_f64());
     match applied {
         Ok(applied) => {
             match applied {
@@ -395,6 +424,59 @@ where
     }
 }
 
+/// The event in `message`'s payload; an undecodable one is a permanent failure.
+fn decode<E: DeserializeOwned>(message: &Message) -> Result<E, Failure> {
+    // A user's `Deserialize` (a `deserialize_with`, say) may panic: the message is then
+    // poison like any undecodable one, not lost to a task that ended without settling it.
+    let decoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        serde_json::from_slice::<E>(&message.payload)
+    }));
+    match decoded {
+        Ok(Ok(event)) => Ok(event),
+        Ok(Err(err)) => Err(Failure::new(
+            FailureKind::Undecodable,
+            format!(
+                "the payload is not a valid {}: {err}",
+                std::any::type_name::<E>()
+            ),
+            false,
+        )),
+        Err(panic) => Err(Failure::new(
+            FailureKind::Undecodable,
+            format!(
+                "decoding the payload as {} panicked: {}",
+                std::any::type_name::<E>(),
+                crate::dispatch::panic_message(&*panic)
+            ),
+            false,
+        )),
+    }
+}
+
+/// Sleeps `after` while telling JetStream the message is still in progress; `false` if the
+/// consumer was shut down meanwhile.
+async fn wait_in_place<DB: OutboxDatabase, E, H>(
+    shared: &Shared<DB, E, H>,
+    message: &Message,
+    after: Duration,
+) -> bool {
+    let until = tokio::time::Instant::now() + after;
+    loop {
+        // Best effort, as the keep-alive: a lost one risks a redelivery the inbox absorbs.
+        let _ = message.ack_with(AckKind::Progress).await;
+        let now = tokio::time::Instant::now();
+        if now >= until {
+            return true;
+        }
+        let step = (until - now).min(shared.settings.progress_every);
+        tokio::select! {
+            biased;
+            () = shared.cancel.cancelled() => return false,
+            () = tokio::time::sleep(step) => {}
+        }
+    }
+}
+
 /// Begin, record the inbox row, run the handler, commit.
 async fn apply<DB, E, H>(
     shared: &Shared<DB, E, H>,
@@ -407,9 +489,7 @@ where
     E: DeserializeOwned + Send + 'static,
     H: Handler<DB, E>,
 {
-    let database = |err: &(dyn std::error::Error + 'static)| {
-        Failure::new(FailureKind::Database, crate::chain::error_chain(err), true)
-    };
+    let database = Failure::database;
     // Waiting for a connection or for another transaction's inbox row lock counts too: the
     // keep-alive covers it, not only the handler.
     let work = async {
@@ -469,11 +549,11 @@ where
         }
         Ok(Err(err)) => {
             let _ = tx.rollback().await;
-            Err(Failure::new(
-                FailureKind::Handler,
-                err.chain(),
-                err.is_retryable(),
-            ))
+            Err(Failure {
+                // `?` on the handler's own statement: the database may be out of reach.
+                unavailable: err.is_retryable() && database_unavailable(err.source_error()),
+                ..Failure::new(FailureKind::Handler, err.chain(), err.is_retryable())
+            })
         }
         Err(panic) => {
             let _ = tx.rollback().await;
@@ -652,7 +732,9 @@ fn report<DB: OutboxDatabase, E, H>(
         action,
     };
     match action {
-        FailureAction::Redeliver { .. } | FailureAction::None => {
+        FailureAction::Redeliver { .. }
+        | FailureAction::RetryInPlace { .. }
+        | FailureAction::None => {
             tracing::warn!(consumer = %report.consumer, id = ?report.id, "{report}");
         }
         _ => tracing::error!(consumer = %report.consumer, id = ?report.id, "{report}"),
