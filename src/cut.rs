@@ -1,5 +1,6 @@
-//! A TCP relay that can cut every connection through it and refuse new ones for a while:
-//! a database outage, for fault tests.
+//! A TCP relay that can cut every connection through it and refuse new ones for a while (a
+//! database outage), or stall the connections it has without closing them (a peer gone
+//! without a reset), for fault tests.
 
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
@@ -10,6 +11,7 @@ pub struct CutRelay {
     /// The relay's loopback port.
     pub port: u16,
     down: watch::Sender<bool>,
+    stalls: watch::Sender<u64>,
 }
 
 impl CutRelay {
@@ -24,6 +26,7 @@ impl CutRelay {
             .expect("bind a loopback port");
         let port = listener.local_addr().expect("the relay's address").port();
         let (down, watching) = watch::channel(false);
+        let (stalls, stalled) = watch::channel(0_u64);
         tokio::spawn(async move {
             while let Ok((mut client, _)) = listener.accept().await {
                 if *watching.borrow() {
@@ -35,16 +38,30 @@ impl CutRelay {
                     continue;
                 };
                 let mut cut = watching.clone();
+                let mut stall = stalled.clone();
+                let born = *stall.borrow();
                 tokio::spawn(async move {
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
-                        _ = cut.wait_for(|down| *down) => {}
+                    let stalled = tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => false,
+                        () = async { let _ = cut.wait_for(|down| *down).await; } => false,
+                        () = async { let _ = stall.wait_for(|stalls| *stalls > born).await; } => true,
+                    };
+                    if stalled {
+                        // Nothing passes any more, and nobody is told: held open until the
+                        // relay is taken down.
+                        let _ = cut.wait_for(|down| *down).await;
                     }
                     // Both sockets are dropped here: the client sees its connection end.
                 });
             }
         });
-        Self { port, down }
+        Self { port, down, stalls }
+    }
+
+    /// Stops forwarding on every connection open now, in both directions, without closing
+    /// any (until [`down`](Self::down)); later connections pass.
+    pub fn stall(&self) {
+        self.stalls.send_modify(|stalls| *stalls += 1);
     }
 
     /// Cuts every connection through the relay and refuses new ones until [`up`](Self::up).

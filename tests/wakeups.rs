@@ -387,3 +387,76 @@ async fn a_listener_that_loses_its_database_reports_each_failed_reconnect_then_r
     admin.close().await;
     db.close().await;
 }
+
+/// A listening connection that dies without a reset (a peer or a network path gone: the
+/// relay stalls it, open but silent) is found by the listener's health check, after the
+/// dispatcher's idle interval of quiet, reported, and replaced.
+#[tokio::test]
+async fn a_listener_whose_connection_goes_silent_checks_it_and_connects_again() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let relay = trellis_outbox_tests::cut::CutRelay::start(format!(
+        "{}:{}",
+        db.options.get_host(),
+        db.options.get_port()
+    ))
+    .await;
+    // Two connections: the stalled one stays taken (its `UNLISTEN` never gets an answer).
+    let listen_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_with(db.options.clone().host("127.0.0.1").port(relay.port))
+        .await
+        .unwrap();
+    let errors = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let seen = errors.clone();
+    let publisher = RecordingPublisher::new();
+    let dispatcher =
+        OutboxDispatcher::builder(PgOutboxRepository::new(db.pool.clone()), publisher.clone())
+            .idle_interval(Duration::from_secs(1))
+            .listen_postgres(&listen_pool, &OutboxTables::default())
+            .on_error(move |error| {
+                if let trellis_outbox::DispatchError::Repository {
+                    operation: "listen for wake-ups",
+                    source,
+                } = error
+                {
+                    let mut chain = source.to_string();
+                    let mut cause = std::error::Error::source(source);
+                    while let Some(next) = cause {
+                        chain = format!("{chain}: {next}");
+                        cause = next.source();
+                    }
+                    seen.lock().unwrap().push(chain);
+                }
+            })
+            .start()
+            .unwrap();
+    until_listening(&db, "the dispatcher is not listening").await;
+    relay.stall();
+    // Quiet for 1 s, then a health check that gets no answer within 5 s.
+    for _ in 0..150 {
+        if !errors.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let reported = errors.lock().unwrap().clone();
+    assert_eq!(reported.len(), 1, "{reported:?}");
+    assert!(reported[0].contains("health check"), "{reported:?}");
+    // The stalled backend still counts as listening on the server; a second one joins it.
+    for _ in 0..500 {
+        if listeners(&db).await == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        listeners(&db).await,
+        2,
+        "the listener did not connect again"
+    );
+    relay.down();
+    dispatcher.shutdown().await;
+    db.close().await;
+}

@@ -124,7 +124,10 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
     /// every failed connect or `LISTEN`, the first or a later one, go to
     /// [`on_error`](Self::on_error) (operation `listen for wake-ups`) and are retried with
     /// backoff (100 ms doubling to 5 s); polling every [`idle_interval`](Self::idle_interval)
-    /// stays the safety net meanwhile.
+    /// stays the safety net meanwhile. After an idle interval without a notification (at
+    /// least 1 s, at most 30 s) the listener checks its connection with `SELECT 1`; one that
+    /// does not answer within 5 s (it died without a reset) is reported the same way and
+    /// replaced.
     ///
     /// `tables` must be the outbox's tables (the channel is derived from the outbox table).
     ///
@@ -218,8 +221,16 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
         #[cfg(feature = "postgres")]
         let listener = self.listen.map(|(pool, tables)| {
             runtime.spawn(
-                listen(pool, tables, handle.clone(), cancel, self.on_error.clone())
-                    .instrument(tracing::info_span!("outbox_wakeups")),
+                listen(
+                    pool,
+                    tables,
+                    handle.clone(),
+                    cancel,
+                    self.on_error.clone(),
+                    self.idle_interval
+                        .clamp(Duration::from_secs(1), Duration::from_secs(30)),
+                )
+                .instrument(tracing::info_span!("outbox_wakeups")),
             )
         });
         #[cfg(not(feature = "postgres"))]
@@ -444,7 +455,9 @@ fn log_join(result: std::result::Result<(), tokio::task::JoinError>) {
 
 /// The task of [`DispatcherBuilder::listen_postgres`]: runs a [`PgWakeups`] listener that
 /// notifies `handle` (connecting and re-connecting with backoff, each failure reported as
-/// a repository error of operation "listen for wake-ups") until `cancel`.
+/// a repository error of operation "listen for wake-ups") until `cancel`. The listener checks
+/// its connection after `health_every` (the idle interval, from 1 to 30 s) without a
+/// notification.
 ///
 /// [`PgWakeups`]: crate::PgWakeups
 #[cfg(feature = "postgres")]
@@ -454,6 +467,7 @@ async fn listen(
     handle: DispatcherHandle,
     cancel: CancellationToken,
     on_error: Option<ErrorCallback>,
+    health_every: Duration,
 ) {
     let wakeups = crate::PgWakeups::start(
         &pool,
@@ -468,6 +482,7 @@ async fn listen(
                 },
             );
         },
+        health_every,
     );
     cancel.cancelled().await;
     wakeups.stop().await;

@@ -13,6 +13,11 @@ use crate::sql::notify_channel;
 use crate::tables::OutboxTables;
 
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// How long [`PgWakeups::listen`]'s listener may hear nothing before it checks its
+/// connection.
+const HEALTH_EVERY: Duration = Duration::from_secs(30);
+/// How long the check may take before the connection is taken for dead.
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// [`Outbox::wake`](crate::Outbox::wake)'s statement: a `NOTIFY` on `$1` in a transaction of
 /// its own that does not wait for its commit record to reach the disk
@@ -37,6 +42,11 @@ const UNLISTEN_TIMEOUT: Duration = Duration::from_secs(1);
 /// listening connection drops, the listener connects and `LISTEN`s again and **then** calls
 /// the wake-up function once, so rows committed while it was deaf are found by the re-scan.
 /// Keep polling as the safety net (the dispatcher's idle interval).
+///
+/// A connection can also die without either side being told (a host or a network path
+/// gone: no reset ever arrives), and a listener waiting on it would hear nothing from then
+/// on. So after 30 s without a notification the listener sends `SELECT 1` on its connection;
+/// without an answer within 5 s it drops the connection and connects again (then wakes).
 ///
 /// The listener holds one connection of `pool` while it runs.
 ///
@@ -84,18 +94,21 @@ impl PgWakeups {
             Arc::new(wake),
             Some(listener),
             None,
+            HEALTH_EVERY,
         ))
     }
 
     /// Starts listening in the background without waiting for the first `LISTEN`: the task
     /// connects (retrying with backoff), calls `wake` once it listens, and reports every
     /// failed connect or `LISTEN`, and every lost connection sqlx could not restore, to
-    /// `on_error` (operation `listen`).
+    /// `on_error` (operation `listen`). It checks its connection after `health_every`
+    /// without a notification.
     pub(crate) fn start(
         pool: &PgPool,
         tables: &OutboxTables,
         wake: impl Fn() + Send + Sync + 'static,
         on_error: impl Fn(Error) + Send + Sync + 'static,
+        health_every: Duration,
     ) -> Self {
         Self::spawn(
             pool,
@@ -103,6 +116,7 @@ impl PgWakeups {
             Arc::new(wake),
             None,
             Some(Arc::new(on_error)),
+            health_every,
         )
     }
 
@@ -112,9 +126,17 @@ impl PgWakeups {
         wake: Arc<dyn Fn() + Send + Sync>,
         first: Option<PgListener>,
         on_error: Option<Arc<dyn Fn(Error) + Send + Sync>>,
+        health_every: Duration,
     ) -> Self {
         let (stop, stopped) = watch::channel(false);
-        let task = tokio::spawn(run(pool.clone(), channel, wake, first, on_error, stopped));
+        let listening = Listening {
+            pool: pool.clone(),
+            channel,
+            wake,
+            on_error,
+            health_every,
+        };
+        let task = tokio::spawn(run(listening, first, stopped));
         Self {
             stop,
             task: Some(task),
@@ -149,14 +171,37 @@ async fn connect(pool: &PgPool, channel: &str) -> Result<PgListener> {
     Ok(listener)
 }
 
-async fn run(
+/// What the listener task works with.
+struct Listening {
     pool: PgPool,
     channel: String,
     wake: Arc<dyn Fn() + Send + Sync>,
-    first: Option<PgListener>,
     on_error: Option<Arc<dyn Fn(Error) + Send + Sync>>,
-    mut stopped: watch::Receiver<bool>,
-) {
+    health_every: Duration,
+}
+
+/// Whether `listener`'s connection still answers: `SELECT 1` within [`HEALTH_TIMEOUT`].
+/// (Notifications that arrive meanwhile are buffered by the listener, not lost.)
+async fn healthy(listener: &mut PgListener) -> std::result::Result<(), sqlx::Error> {
+    match tokio::time::timeout(HEALTH_TIMEOUT, sqlx::query("SELECT 1").execute(listener)).await {
+        Ok(answered) => answered.map(drop),
+        Err(_) => Err(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!(
+                "the listening connection did not answer a health check within {HEALTH_TIMEOUT:?}"
+            ),
+        ))),
+    }
+}
+
+async fn run(listening: Listening, first: Option<PgListener>, mut stopped: watch::Receiver<bool>) {
+    let Listening {
+        pool,
+        channel,
+        wake,
+        on_error,
+        health_every,
+    } = listening;
     let mut listener = first;
     let mut backoff = Duration::from_millis(100);
     loop {
@@ -188,6 +233,17 @@ async fn run(
         };
         tokio::select! {
             _ = stopped.changed() => break,
+            // Quiet for a while: a connection that died without a reset would stay quiet
+            // for ever. (`try_recv` is cancel-safe: a message half read stays buffered.)
+            () = tokio::time::sleep(health_every) => {
+                if let Err(error) = healthy(active).await {
+                    tracing::warn!(%channel, %error, "outbox wake-up listener's connection does not answer; connecting again");
+                    if let Some(on_error) = &on_error {
+                        on_error(Error::repository("listen")(error));
+                    }
+                    listener = None;
+                }
+            }
             received = active.try_recv() => match received {
                 Ok(Some(_)) => wake(),
                 // The connection dropped and sqlx re-established it and re-issued LISTEN
