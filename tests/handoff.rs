@@ -153,6 +153,44 @@ async fn sqlite_committed_rows_are_published_at_once() {
     committed_rows_are_published_at_once(db.pool.clone()).await;
 }
 
+/// A handoff's statements send no `NOTIFY` (its rows are leased to this process's dispatcher,
+/// which the commit wakes in-process for the rest), whether written one by one, together or
+/// keyed; a plain enqueue on the same outbox still does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_handoff_sends_no_notify() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let mut listener = sqlx::postgres::PgListener::connect_with(&db.pool)
+        .await
+        .unwrap();
+    listener.listen("trellis_outbox_wakeup").await.unwrap();
+    let publisher = RecordingPublisher::new();
+    let dispatcher = quiet(&db.pool, &publisher);
+    sleep(Duration::from_millis(50)).await;
+    let handle = dispatcher.handle();
+    let (one, all, key) = (record(0), vec![record(1), record(2)], keyed(3, "k"));
+    let mut tx = handle.begin(&db.pool).await.unwrap();
+    tx.enqueue(&one).await.unwrap();
+    tx.enqueue_all(all.clone()).await.unwrap();
+    tx.enqueue(&key).await.unwrap();
+    assert_eq!(tx.handed_over(), 3);
+    tx.commit().await.unwrap();
+    let ids = [&one.id, &all[0].id, &all[1].id, &key.id].map(String::as_str);
+    settled(&db.pool, &publisher, &ids).await;
+    let heard = tokio::time::timeout(Duration::from_millis(500), listener.try_recv()).await;
+    assert!(heard.is_err(), "the handoff notified: {heard:?}");
+
+    let mut tx = db.pool.begin().await.unwrap();
+    tx.enqueue(&record(4)).await.unwrap();
+    tx.commit().await.unwrap();
+    let heard = tokio::time::timeout(Duration::from_secs(5), listener.try_recv()).await;
+    assert!(
+        matches!(heard, Ok(Ok(Some(_)))),
+        "a plain enqueue did not notify: {heard:?}"
+    );
+    dispatcher.shutdown().await;
+}
+
 async fn rolled_back_rows_are_never_published<DB: OutboxDatabase>(pool: Pool<DB>) {
     migrate(&pool).await.unwrap();
     let publisher = RecordingPublisher::new();

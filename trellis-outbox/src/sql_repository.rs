@@ -316,8 +316,12 @@ impl<DB: OutboxDatabase> OutboxRepository for SqlOutboxRepository<DB> {
     }
 
     fn handoff_target(&self) -> Option<HandoffTarget> {
+        // No `NOTIFY`: handed-over rows are leased to this process's dispatcher, and the
+        // commit wakes it in-process for rows that take the usual path. A `NOTIFY` would
+        // only serialise the commit behind every other notifying one and wake listeners
+        // to claim nothing.
         Some(HandoffTarget::new(
-            Outbox::new(self.tables.clone()),
+            Outbox::new(self.tables.clone()).without_notify(),
             DB::DIALECT,
             self.beside_upstream,
         ))

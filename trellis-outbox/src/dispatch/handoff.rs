@@ -55,7 +55,8 @@ impl HandoffTarget {
         }
     }
 
-    /// The outbox (tables) handed-over rows are written to.
+    /// The outbox (tables) handed-over rows are written to (without `NOTIFY`: the commit
+    /// wakes the in-process dispatcher instead).
     pub fn outbox(&self) -> &Outbox {
         &self.outbox
     }
