@@ -352,10 +352,12 @@ pub(crate) fn sqlx_is_retryable(error: &sqlx::Error) -> bool {
     }
 }
 
-/// Whether a driver error says the database could not serve anyone just now (the network,
-/// the pool, the server starting, stopping or out of connections, an SQLite file locked by
-/// another writer), as against something in the work itself: a deadlock or a serialization
-/// failure is retryable but caused by the work, and so is not counted here.
+/// Whether a driver error may say the database could not serve anyone just now (the
+/// network, the pool, the server starting, stopping or out of connections, an SQLite file
+/// locked by another writer), as against something in the work itself: a deadlock or a
+/// serialization failure is retryable but caused by the work, and so is not counted here.
+/// Some of these can still be the work's own doing (a backend killed for running too long, a
+/// handler waiting on its own lock): the consumer checks the database before it believes it.
 pub(crate) fn sqlx_is_unavailable(error: &sqlx::Error) -> bool {
     match error {
         sqlx::Error::Io(_)
@@ -371,10 +373,12 @@ pub(crate) fn sqlx_is_unavailable(error: &sqlx::Error) -> bool {
 fn database_is_unavailable(db: &dyn sqlx::error::DatabaseError) -> bool {
     #[cfg(feature = "postgres")]
     if let Some(pg) = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
+        // Connection exceptions but `08P01` (a protocol violation: the client's statement),
+        // too many connections, shutdown and start-up. Not the rest of class 53 (out of
+        // memory, disk or locks): a statement can cause those.
         let code = pg.code();
-        return code.starts_with("08")
-            || code.starts_with("53")
-            || matches!(code, "57P01" | "57P02" | "57P03");
+        return (code.starts_with("08") && code != "08P01")
+            || matches!(code, "53300" | "57P01" | "57P02" | "57P03");
     }
     // SQLite's retryable codes (BUSY, LOCKED) are all another connection's lock.
     database_is_retryable(db)

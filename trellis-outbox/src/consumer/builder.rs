@@ -50,8 +50,8 @@ pub(crate) type OnFailure = Arc<dyn Fn(&ConsumeFailure) + Send + Sync>;
 /// the dead-letter subject `_trellis.consumer.dlq.<consumer>` (stream `trellis_consumer_dlq`)
 /// with the error in a header, and terminated. A message without an id or whose payload is not
 /// `E` is dead-lettered at once. A database out of reach spends no delivery: the message is
-/// kept in progress and tried again in place until the database is back
-/// ([`FailureAction::RetryInPlace`](super::FailureAction::RetryInPlace)).
+/// held in progress until the database answers the consumer's checks, then tried again
+/// ([`FailureAction::WaitForDatabase`](super::FailureAction::WaitForDatabase)).
 ///
 /// # Examples
 ///

@@ -98,15 +98,13 @@ pub enum FailureAction {
         /// The delay.
         after: Duration,
     },
-    /// Kept it (in progress, so JetStream does not redeliver it) and tries it again after
-    /// the delay, without spending a delivery: the database could not be reached (the
-    /// network, the pool's acquire timeout, the server starting, stopping or out of
-    /// connections, an SQLite file locked by another writer). A message is not dead-lettered
-    /// for a database outage, however long.
-    RetryInPlace {
-        /// The delay: the consumer's retry policy by attempt, at most 10 s.
-        after: Duration,
-    },
+    /// Holds it (in progress, so JetStream does not redeliver it) until the database
+    /// answers again, then tries it again, without spending a delivery: the attempt failed
+    /// because the database could not be reached (the network, the pool's acquire timeout,
+    /// the server starting, stopping or out of connections, an SQLite file locked by another
+    /// writer), and the database did not answer the consumer's own check either. A message is
+    /// not dead-lettered for a database outage, however long.
+    WaitForDatabase,
     /// Copied it to the dead-letter subject and terminated it.
     DeadLettered,
     /// Terminated it without a dead-letter copy (dead letters are off, or the copy failed at
@@ -151,9 +149,8 @@ impl fmt::Display for ConsumeFailure {
         )?;
         match self.action {
             FailureAction::Redeliver { after } => write!(f, "; redelivery in {after:?}"),
-            FailureAction::RetryInPlace { after } => write!(
-                f,
-                "; the database is out of reach: trying again in {after:?}, without a redelivery"
+            FailureAction::WaitForDatabase => f.write_str(
+                "; the database does not answer: held until it does, without a redelivery",
             ),
             FailureAction::DeadLettered => f.write_str("; dead-lettered and terminated"),
             FailureAction::Terminated => f.write_str("; terminated"),

@@ -42,9 +42,9 @@ pub struct ConsumerReport {
     pub dead_lettered: u64,
     /// Messages terminated without a dead-letter copy.
     pub terminated: u64,
-    /// Attempts tried again in place, without a redelivery, because the database could not
-    /// be reached ([`FailureAction::RetryInPlace`](crate::FailureAction::RetryInPlace)).
-    pub database_retries: u64,
+    /// Messages held, in progress, until the database answered again, and then tried again
+    /// without a redelivery ([`FailureAction::WaitForDatabase`](crate::FailureAction::WaitForDatabase)).
+    pub database_waits: u64,
 }
 
 /// A running [`Consumer`]. [`shutdown`](Self::shutdown) stops pulling and waits for the

@@ -51,9 +51,14 @@ pub mod dead_letter_headers {
 const MAX_ERROR_HEADER: usize = 4096;
 /// How long publishing a dead-letter copy may take.
 const DEAD_LETTER_TIMEOUT: Duration = Duration::from_secs(10);
-/// The longest pause between two attempts at a message while the database is out of reach:
-/// the retry policy's delays grow to minutes, but a database that is back should be used soon.
+/// The longest pause between two checks of a database out of reach: the retry policy's
+/// delays grow to minutes, but a database that is back should be used soon.
 const MAX_DATABASE_WAIT: Duration = Duration::from_secs(10);
+/// The shortest: every held message checks on its own, and a server refusing connections
+/// should not get one from each of them every few milliseconds.
+const MIN_DATABASE_WAIT: Duration = Duration::from_secs(1);
+/// How long one check (a connection and a ping) may take.
+const DATABASE_CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 /// The pause after a pull error before pulling again.
 const PULL_RETRY: Duration = Duration::from_millis(500);
 
@@ -65,7 +70,7 @@ pub(crate) struct Stats {
     redelivered: AtomicU64,
     dead_lettered: AtomicU64,
     terminated: AtomicU64,
-    database_retries: AtomicU64,
+    database_waits: AtomicU64,
 }
 
 impl Stats {
@@ -76,7 +81,7 @@ impl Stats {
             redelivered: self.redelivered.load(Ordering::Relaxed),
             dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
             terminated: self.terminated.load(Ordering::Relaxed),
-            database_retries: self.database_retries.load(Ordering::Relaxed),
+            database_waits: self.database_waits.load(Ordering::Relaxed),
         }
     }
 }
@@ -357,11 +362,12 @@ where
     let time = headers
         .get(TRELLIS_EVENT_TIME)
         .and_then(|time| parse_timestamp(time).ok());
-    let mut waits = 0u32;
+    // Whether this delivery was already held for a database outage.
+    let mut held = false;
     let mut headers = Some(headers);
     let applied = loop {
         // Decoded for each attempt: the handler takes the event, and an attempt the database
-        // turned away is made again in place.
+        // turned away is made again once it answers.
         let event: E = match decode(&message) {
             Ok(event) => event,
             Err(failure) => return give_up(shared, &mut at, failure).await,
@@ -379,25 +385,49 @@ where
         };
         let span = consume_span(&shared.consumer_name, &delivered);
         let started = std::time::Instant::now();
-        let applied = apply(shared, &message, &id, delivered)
-            .instrument(span)
-            .await;
+        // Once held, the message is kept in progress whatever `keep_alive` says (the hold
+        // must not cost a delivery), and shutdown does not wait for the attempt either.
+        let keep_alive = match held {
+            true => Some(shared.settings.progress_every),
+            false => shared.settings.keep_alive,
+        };
+        let attempt = apply(shared, &message, &id, delivered, keep_alive).instrument(span);
+        let applied = if held {
+            tokio::select! {
+                biased;
+                () = shared.cancel.cancelled() => Err(Failure::new(
+                    FailureKind::Database,
+                    "shut down while trying the message again after a database outage".into(),
+                    true,
+                )),
+                applied = attempt => applied,
+            }
+        } else {
+            attempt.await
+        };
         metrics::histogram!(crate::metrics::HANDLE_SECONDS, "consumer" => shared.consumer_name.clone())
             .record(started.elapsed().as_secs_f64());
         match applied {
             // A database out of reach is not the message's fault: redelivering would spend
             // its deliveries and, over a long enough outage, dead-letter healthy messages.
-            // Hold it (in progress, so the server does not redeliver it) and try again.
-            Err(failure) if failure.unavailable && !shared.cancel.is_cancelled() => {
-                waits = waits.saturating_add(1);
-                let after = shared.settings.retry.delay(waits).min(MAX_DATABASE_WAIT);
-                bump(&shared.stats.database_retries);
-                report(shared, &at, &failure, FailureAction::RetryInPlace { after });
-                if !wait_in_place(shared, &message, after).await {
-                    // Shut down while waiting: hand it back as any failed delivery.
-                    let after = shared.settings.delay_after(delivery);
-                    return redeliver(shared, &at, &failure, after).await;
+            // If the database does not answer the consumer either, hold the message (in
+            // progress, so the server does not redeliver it) until it does, then try again.
+            // Once per delivery: an attempt that finds it gone again right after it came back
+            // (a statement that crashes the server, say) spends the delivery as usual.
+            Err(failure)
+                if failure.unavailable
+                    && !held
+                    && !shared.cancel.is_cancelled()
+                    && !database_answers(shared, &message).await =>
+            {
+                held = true;
+                bump(&shared.stats.database_waits);
+                report(shared, &at, &failure, FailureAction::WaitForDatabase);
+                if !wait_for_database(shared, &message).await {
+                    // Shut down meanwhile: settled as any failed delivery.
+                    break Err(failure);
                 }
+                tracing::info!(consumer = %shared.consumer_name, id = %id, "the database answers again; trying the message again");
             }
             applied => break applied,
         }
@@ -453,6 +483,74 @@ fn decode<E: DeserializeOwned>(message: &Message) -> Result<E, Failure> {
     }
 }
 
+/// Runs `work`, sending an in-progress ack for `message` every `every` (if set) meanwhile.
+async fn keeping_alive<F: std::future::Future>(
+    message: &Message,
+    every: Option<Duration>,
+    work: F,
+) -> F::Output {
+    let Some(every) = every else {
+        return work.await;
+    };
+    tokio::pin!(work);
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    loop {
+        tokio::select! {
+            worked = &mut work => break worked,
+            _ = ticks.tick() => {
+                // Best effort: a lost progress ack only risks a redelivery, which the
+                // inbox absorbs.
+                let _ = message.ack_with(AckKind::Progress).await;
+            }
+        }
+    }
+}
+
+/// Whether the database answers the consumer: a connection from the pool and a ping within
+/// [`DATABASE_CHECK_TIMEOUT`], `message` kept in progress meanwhile.
+async fn database_answers<DB: OutboxDatabase, E, H>(
+    shared: &Shared<DB, E, H>,
+    message: &Message,
+) -> bool {
+    use sqlx::Connection as _;
+    let check = async {
+        let mut connection = shared.pool.acquire().await?;
+        connection.ping().await
+    };
+    let check = tokio::time::timeout(DATABASE_CHECK_TIMEOUT, check);
+    match keeping_alive(message, Some(shared.settings.progress_every), check).await {
+        Ok(Ok(())) => true,
+        Ok(Err(err)) => {
+            tracing::debug!(consumer = %shared.consumer_name, error = %err, "the database does not answer");
+            false
+        }
+        Err(_) => false,
+    }
+}
+
+/// Holds `message` (in progress) until the database answers, checking the retry policy's
+/// delay apart (from 1 to 10 s); `false` if the consumer was shut down first.
+async fn wait_for_database<DB: OutboxDatabase, E, H>(
+    shared: &Shared<DB, E, H>,
+    message: &Message,
+) -> bool {
+    let mut checks = 0u32;
+    loop {
+        checks = checks.saturating_add(1);
+        let after = shared
+            .settings
+            .retry
+            .delay(checks)
+            .clamp(MIN_DATABASE_WAIT, MAX_DATABASE_WAIT);
+        if !wait_in_place(shared, message, after).await {
+            return false;
+        }
+        if database_answers(shared, message).await {
+            return true;
+        }
+    }
+}
+
 /// Sleeps `after` while telling JetStream the message is still in progress; `false` if the
 /// consumer was shut down meanwhile.
 async fn wait_in_place<DB: OutboxDatabase, E, H>(
@@ -483,6 +581,7 @@ async fn apply<DB, E, H>(
     message: &Message,
     id: &str,
     delivered: Delivered<E>,
+    keep_alive: Option<Duration>,
 ) -> Result<Applied, Failure>
 where
     DB: OutboxDatabase,
@@ -508,23 +607,7 @@ where
             .await;
         Ok(Some((tx, outcome)))
     };
-    let worked = match shared.settings.keep_alive {
-        None => work.await,
-        Some(every) => {
-            tokio::pin!(work);
-            let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-            loop {
-                tokio::select! {
-                    worked = &mut work => break worked,
-                    _ = ticks.tick() => {
-                        // Best effort: a lost progress ack only risks a redelivery, which
-                        // the inbox absorbs.
-                        let _ = message.ack_with(AckKind::Progress).await;
-                    }
-                }
-            }
-        }
-    };
+    let worked = keeping_alive(message, keep_alive, work).await;
     let Some((mut tx, outcome)) = worked? else {
         return Ok(Applied::Duplicate);
     };
@@ -534,6 +617,10 @@ where
             // Postgres has aborted: its `COMMIT` would roll back and still report success.
             if let Err(err) = DB::check_committable(&mut tx).await {
                 let _ = tx.rollback().await;
+                if database_unavailable(&err) {
+                    // Not refused: the connection went.
+                    return Err(database(&err));
+                }
                 return Err(Failure::new(
                     FailureKind::Database,
                     format!(
@@ -732,9 +819,7 @@ fn report<DB: OutboxDatabase, E, H>(
         action,
     };
     match action {
-        FailureAction::Redeliver { .. }
-        | FailureAction::RetryInPlace { .. }
-        | FailureAction::None => {
+        FailureAction::Redeliver { .. } | FailureAction::WaitForDatabase | FailureAction::None => {
             tracing::warn!(consumer = %report.consumer, id = ?report.id, "{report}");
         }
         _ => tracing::error!(consumer = %report.consumer, id = ?report.id, "{report}"),
