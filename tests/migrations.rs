@@ -84,7 +84,7 @@ fn v3_is_pinned() {
         (Dialect::Postgres, "fnv1a64:60a1bb47a8cb8d22"),
     ] {
         let all = migrations(dialect, &OutboxTables::default());
-        assert_eq!(all.len(), 6);
+        assert_eq!(all.len(), 7);
         let v3 = &all[2];
         assert_eq!(v3.id, format!("trellis_sql_outbox_inbox_{dialect}_v3"));
         assert_eq!(v3.version, 3);
@@ -137,7 +137,7 @@ fn v5_is_pinned() {
         (Dialect::Postgres, "fnv1a64:f4e56595a45db5fe", 9),
     ] {
         let all = migrations(dialect, &OutboxTables::default());
-        assert_eq!(all.len(), 6);
+        assert_eq!(all.len(), 7);
         let v5 = &all[4];
         assert_eq!(v5.id, format!("trellis_sql_outbox_inbox_{dialect}_v5"));
         assert_eq!(v5.version, 5);
@@ -242,6 +242,29 @@ fn unsafe_table_names_are_rejected() {
     );
 }
 
+// Version 7: the Postgres ordering trigger locks one of 1,024 buckets per key instead of a
+// lock per key (a transaction with more keys than the lock table holds failed at commit);
+// nothing on SQLite. Checksums computed independently (Python).
+#[test]
+fn v7_is_pinned() {
+    for (dialect, checksum, statements) in [
+        (Dialect::Sqlite, "fnv1a64:439101d5f448b098", 0),
+        (Dialect::Postgres, "fnv1a64:761cd5a2ac749a92", 1),
+    ] {
+        let all = migrations(dialect, &OutboxTables::default());
+        let v7 = &all[6];
+        assert_eq!(v7.id, format!("trellis_sql_outbox_inbox_{dialect}_v7"));
+        assert_eq!(v7.version, 7);
+        assert_eq!(v7.checksum, checksum, "{dialect}");
+        assert_eq!(v7.up.len(), statements, "{dialect}");
+    }
+    let all = migrations(Dialect::Postgres, &OutboxTables::default());
+    let v7 = &all[6];
+    assert_eq!(v7.up[0].matches("& 1023").count(), 2, "{}", v7.up[0]);
+    // Reverting puts back version 5's function, statement for statement.
+    assert!(all[4].up.contains(&v7.down[0]), "{}", v7.down[0]);
+}
+
 // Version 6: the Postgres claim index loses the keyed rows (issue #15); nothing on SQLite.
 // Checksums computed independently (Python).
 #[test]
@@ -280,7 +303,7 @@ fn script_is_pasteable() {
     assert_eq!(
         sql.matches(";\n").count(),
         17,
-        "SQLite: 3 statements in v1 and v2, 5 in v3, 2 in v4, 4 in v5, none in v6"
+        "SQLite: 3 statements in v1 and v2, 5 in v3, 2 in v4, 4 in v5, none in v6 and v7"
     );
 }
 
@@ -313,7 +336,8 @@ async fn pg_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_postgres_v3",
             "trellis_sql_outbox_inbox_postgres_v4",
             "trellis_sql_outbox_inbox_postgres_v5",
-            "trellis_sql_outbox_inbox_postgres_v6"
+            "trellis_sql_outbox_inbox_postgres_v6",
+            "trellis_sql_outbox_inbox_postgres_v7"
         ]
     );
     assert!(first.already_applied.is_empty());
@@ -349,7 +373,8 @@ async fn pg_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_postgres_v3",
             "trellis_sql_outbox_inbox_postgres_v4",
             "trellis_sql_outbox_inbox_postgres_v5",
-            "trellis_sql_outbox_inbox_postgres_v6"
+            "trellis_sql_outbox_inbox_postgres_v6",
+            "trellis_sql_outbox_inbox_postgres_v7"
         ]
     );
     let (id, checksum): (String, String) = sqlx::query_as(
@@ -375,7 +400,8 @@ async fn sqlite_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_sqlite_v3",
             "trellis_sql_outbox_inbox_sqlite_v4",
             "trellis_sql_outbox_inbox_sqlite_v5",
-            "trellis_sql_outbox_inbox_sqlite_v6"
+            "trellis_sql_outbox_inbox_sqlite_v6",
+            "trellis_sql_outbox_inbox_sqlite_v7"
         ]
     );
     for table in [
@@ -399,7 +425,8 @@ async fn sqlite_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_sqlite_v3",
             "trellis_sql_outbox_inbox_sqlite_v4",
             "trellis_sql_outbox_inbox_sqlite_v5",
-            "trellis_sql_outbox_inbox_sqlite_v6"
+            "trellis_sql_outbox_inbox_sqlite_v6",
+            "trellis_sql_outbox_inbox_sqlite_v7"
         ]
     );
 }
@@ -455,12 +482,12 @@ async fn pg_concurrent_migrations_apply_once() {
     let db = TestPg::new().await;
     let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
     let applied: usize = reports.into_iter().map(|r| r.unwrap().applied.len()).sum();
-    assert_eq!(applied, 6, "each version applied by exactly one caller");
+    assert_eq!(applied, 7, "each version applied by exactly one caller");
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox_migrations")
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    assert_eq!(rows, 6, "one bookkeeping row per version");
+    assert_eq!(rows, 7, "one bookkeeping row per version");
     db.close().await;
 }
 
@@ -469,19 +496,19 @@ async fn sqlite_concurrent_migrations_apply_once() {
     let db = TestSqlite::new().await;
     let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
     let applied: usize = reports.into_iter().map(|r| r.unwrap().applied.len()).sum();
-    assert_eq!(applied, 6, "each version applied by exactly one caller");
+    assert_eq!(applied, 7, "each version applied by exactly one caller");
 }
 
 #[tokio::test]
 async fn pg_custom_tables_are_separate_and_default_ones_untouched() {
     let db = TestPg::new().await;
     let report = migrate_with(&db.pool, &service_tables()).await.unwrap();
-    assert_eq!(report.applied.len(), 6);
+    assert_eq!(report.applied.len(), 7);
     assert!(pg_table_exists(&db.pool, "service_outbox").await);
     assert!(pg_table_exists(&db.pool, "service_inbox").await);
     assert!(!pg_table_exists(&db.pool, "trellis_outbox").await);
     // The default tables are migrated independently in the same database.
-    assert_eq!(migrate(&db.pool).await.unwrap().applied.len(), 6);
+    assert_eq!(migrate(&db.pool).await.unwrap().applied.len(), 7);
     assert!(pg_table_exists(&db.pool, "trellis_outbox").await);
     db.close().await;
 }
@@ -510,7 +537,8 @@ async fn sqlite_adopts_a_table_created_by_trellis_ts() {
             "trellis_sql_outbox_inbox_sqlite_v3",
             "trellis_sql_outbox_inbox_sqlite_v4",
             "trellis_sql_outbox_inbox_sqlite_v5",
-            "trellis_sql_outbox_inbox_sqlite_v6"
+            "trellis_sql_outbox_inbox_sqlite_v6",
+            "trellis_sql_outbox_inbox_sqlite_v7"
         ]
     );
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox")
@@ -550,7 +578,7 @@ where
     }
     let report = migrate(pool).await.unwrap();
     assert!(report.upgraded_from_0_10);
-    assert_eq!(report.applied.len(), 6);
+    assert_eq!(report.applied.len(), 7);
     let again = migrate(pool).await.unwrap();
     assert!(!again.upgraded_from_0_10 && again.applied.is_empty());
 
@@ -623,11 +651,11 @@ async fn pg_mixed_case_names_are_one_table() {
     let mixed = OutboxTables::new("Mixed_Outbox", "Mixed_Inbox").unwrap();
     let report = migrate_with(&db.pool, &mixed).await.unwrap();
     assert!(report.upgraded_from_0_10, "{report:?}");
-    assert_eq!(report.applied.len(), 6);
+    assert_eq!(report.applied.len(), 7);
     let lower = OutboxTables::new("mixed_outbox", "mixed_inbox").unwrap();
     let again = migrate_with(&db.pool, &lower).await.unwrap();
     assert!(again.applied.is_empty(), "{again:?}");
-    assert_eq!(again.already_applied.len(), 6);
+    assert_eq!(again.already_applied.len(), 7);
     let outbox = trellis_outbox::Outbox::new(mixed);
     let mut tx = db.pool.begin().await.unwrap();
     outbox
@@ -654,7 +682,7 @@ async fn sqlite_mixed_case_names_share_their_record() {
     let mixed = OutboxTables::new("Mixed_Outbox", "Mixed_Inbox").unwrap();
     assert_eq!(
         migrate_with(&db.pool, &mixed).await.unwrap().applied.len(),
-        6
+        7
     );
     let lower = OutboxTables::new("mixed_outbox", "mixed_inbox").unwrap();
     let again = migrate_with(&db.pool, &lower).await.unwrap();
@@ -675,7 +703,7 @@ async fn tables_from_the_script_can_be_migrated<DB: trellis_outbox::OutboxDataba
         .await
         .unwrap();
     let report = migrate(pool).await.unwrap();
-    assert_eq!(report.applied.len(), 6, "{report:?}");
+    assert_eq!(report.applied.len(), 7, "{report:?}");
     assert!(migrate(pool).await.unwrap().applied.is_empty());
 }
 
@@ -739,7 +767,7 @@ async fn pg_migrate_needs_no_create_privilege_when_nothing_is_pending() {
             .unwrap();
     }
     let report = outcome.unwrap();
-    assert!(report.applied.is_empty() && report.already_applied.len() == 6);
+    assert!(report.applied.is_empty() && report.already_applied.len() == 7);
     db.close().await;
 }
 

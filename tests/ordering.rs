@@ -1152,3 +1152,28 @@ async fn the_kv_outbox_refuses_keyed_records() {
     assert!(plain.is_ok());
     assert_eq!(stored.unwrap(), None, "nothing was written");
 }
+
+/// One transaction with more distinct keys than Postgres' shared lock table holds (6,400
+/// entries on a stock server): version 5's trigger took one advisory lock per key and held
+/// them all to the commit, which then failed with "out of shared memory" and took the
+/// business transaction with it. Version 7 locks at most 1,024 buckets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_transaction_with_twenty_thousand_keys_commits() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let records: Vec<_> = (0..20_000)
+        .map(|n| keyed("orders.placed", &format!("order-{n}"), n))
+        .collect();
+    let mut tx = db.pool.begin().await.unwrap();
+    tx.enqueue_all(records).await.unwrap();
+    tx.commit()
+        .await
+        .expect("the commit takes one advisory lock per bucket, not per key");
+    let (rows, numbered): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(ordering_seq) FROM trellis_outbox")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((rows, numbered), (20_000, 20_000));
+    db.close().await;
+}

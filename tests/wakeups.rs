@@ -460,3 +460,31 @@ async fn a_listener_whose_connection_goes_silent_checks_it_and_connects_again() 
     dispatcher.shutdown().await;
     db.close().await;
 }
+
+/// `shutdown` does not wait for the listener's connect to a server that never answers (here a
+/// socket nobody accepts on: the connection's start-up hangs until the pool's 60 s acquire
+/// timeout).
+#[tokio::test]
+async fn shutdown_does_not_wait_for_a_listener_connecting_to_a_silent_server() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let deaf = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(60))
+        .connect_lazy_with(db.options.clone().host("127.0.0.1").port(port));
+    let dispatcher = OutboxDispatcher::builder(
+        PgOutboxRepository::new(db.pool.clone()),
+        RecordingPublisher::new(),
+    )
+    .idle_interval(Duration::from_secs(3600))
+    .listen_postgres(&deaf, &OutboxTables::default())
+    .start()
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::timeout(Duration::from_secs(5), dispatcher.shutdown())
+        .await
+        .expect("shutdown waited for the listener's connect");
+    drop(silent);
+    db.close().await;
+}

@@ -339,6 +339,10 @@ pub(crate) struct Schema {
     /// Version 6: on Postgres the claim index holds only rows without an ordering key (the
     /// claim finds keyed rows key by key, through `<outbox>_ord_idx`); none on SQLite.
     pub(crate) unkeyed_claim: fn(&str) -> Ddl,
+    /// Version 7: on Postgres the ordering trigger locks one of 1,024 buckets per key, not
+    /// one lock per key (a transaction with thousands of keys ran out of lock table); none
+    /// on SQLite.
+    pub(crate) ordering_locks: fn(&str) -> Ddl,
 }
 
 impl Schema {
@@ -360,6 +364,7 @@ impl Schema {
             Ddl::v4(tables),
             (self.ordering)(o),
             (self.unkeyed_claim)(o),
+            (self.ordering_locks)(o),
         ]
     }
 

@@ -167,6 +167,11 @@ async fn connect(pool: &PgPool, channel: &str) -> Result<PgListener> {
     let mut listener = PgListener::connect_with(pool)
         .await
         .map_err(&listen_error)?;
+    // A lost connection ends `try_recv` at once (`Ok(None)`) instead of reconnecting inside
+    // it: the task reconnects itself, and wakes once it listens again. (Reconnecting inside
+    // `try_recv` could be cut short by the health check, whose query would then reconnect
+    // silently, and the re-scan wake-up would be lost.)
+    listener.eager_reconnect(false);
     listener.listen(channel).await.map_err(listen_error)?;
     Ok(listener)
 }
@@ -209,7 +214,12 @@ async fn run(listening: Listening, first: Option<PgListener>, mut stopped: watch
             break;
         }
         let Some(active) = listener.as_mut() else {
-            match connect(&pool, &channel).await {
+            // Shutdown does not wait for a connect to a database that is down.
+            let connected = tokio::select! {
+                connected = connect(&pool, &channel) => connected,
+                _ = stopped.changed() => break,
+            };
+            match connected {
                 Ok(fresh) => {
                     tracing::info!(%channel, "outbox wake-up listener is listening");
                     listener = Some(fresh);
@@ -246,11 +256,11 @@ async fn run(listening: Listening, first: Option<PgListener>, mut stopped: watch
             }
             received = active.try_recv() => match received {
                 Ok(Some(_)) => wake(),
-                // The connection dropped and sqlx re-established it and re-issued LISTEN
-                // before returning: notifications in between may be lost, so re-scan.
+                // The connection dropped: connect and `LISTEN` again, then re-scan for
+                // what was committed meanwhile.
                 Ok(None) => {
-                    tracing::info!(%channel, "outbox wake-up listener reconnected");
-                    wake();
+                    tracing::info!(%channel, "outbox wake-up listener lost its connection; connecting again");
+                    listener = None;
                 }
                 Err(error) => {
                     tracing::warn!(%channel, %error, "outbox wake-up listener lost its connection");

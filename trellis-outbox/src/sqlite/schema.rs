@@ -19,10 +19,13 @@ pub(crate) const SCHEMA: Schema = Schema {
     never: super::sql::NEVER,
     ordering,
     unkeyed_claim,
+    ordering_locks: unkeyed_claim,
 };
 
-/// Version 6: nothing on SQLite. Its claim takes the heads of keys through
-/// `<outbox>_claim_idx`, so that index keeps the keyed rows (on Postgres it loses them).
+/// Versions 6 and 7: nothing on SQLite. Its claim takes the heads of keys through
+/// `<outbox>_claim_idx`, so that index keeps the keyed rows (on Postgres version 6 drops
+/// them from it); it has one writer and no advisory locks (version 7 on Postgres spreads
+/// the ordering trigger's locks over buckets).
 fn unkeyed_claim(_: &str) -> Ddl {
     Ddl {
         up: Vec::new(),
