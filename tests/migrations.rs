@@ -84,7 +84,7 @@ fn v3_is_pinned() {
         (Dialect::Postgres, "fnv1a64:60a1bb47a8cb8d22"),
     ] {
         let all = migrations(dialect, &OutboxTables::default());
-        assert_eq!(all.len(), 7);
+        assert_eq!(all.len(), 8);
         let v3 = &all[2];
         assert_eq!(v3.id, format!("trellis_sql_outbox_inbox_{dialect}_v3"));
         assert_eq!(v3.version, 3);
@@ -137,7 +137,7 @@ fn v5_is_pinned() {
         (Dialect::Postgres, "fnv1a64:f4e56595a45db5fe", 9),
     ] {
         let all = migrations(dialect, &OutboxTables::default());
-        assert_eq!(all.len(), 7);
+        assert_eq!(all.len(), 8);
         let v5 = &all[4];
         assert_eq!(v5.id, format!("trellis_sql_outbox_inbox_{dialect}_v5"));
         assert_eq!(v5.version, 5);
@@ -242,6 +242,25 @@ fn unsafe_table_names_are_rejected() {
     );
 }
 
+// Version 8: on Postgres an index of the keys with open rows, which the key walk reads (dead
+// rows no longer cost every claim); nothing on SQLite. Checksums computed independently
+// (Python).
+#[test]
+fn v8_is_pinned() {
+    for (dialect, checksum, statements) in [
+        (Dialect::Sqlite, "fnv1a64:439101d5f448b098", 0),
+        (Dialect::Postgres, "fnv1a64:7212eb1432a97a6d", 1),
+    ] {
+        let all = migrations(dialect, &OutboxTables::default());
+        assert_eq!(all.len(), 8);
+        let v8 = &all[7];
+        assert_eq!(v8.id, format!("trellis_sql_outbox_inbox_{dialect}_v8"));
+        assert_eq!(v8.version, 8);
+        assert_eq!(v8.checksum, checksum, "{dialect}");
+        assert_eq!(v8.up.len(), statements, "{dialect}");
+    }
+}
+
 // Version 7: the Postgres ordering trigger locks one of 1,024 buckets per key instead of a
 // lock per key (a transaction with more keys than the lock table holds failed at commit);
 // nothing on SQLite. Checksums computed independently (Python).
@@ -303,7 +322,7 @@ fn script_is_pasteable() {
     assert_eq!(
         sql.matches(";\n").count(),
         17,
-        "SQLite: 3 statements in v1 and v2, 5 in v3, 2 in v4, 4 in v5, none in v6 and v7"
+        "SQLite: 3 statements in v1 and v2, 5 in v3, 2 in v4, 4 in v5, none in v6, v7 and v8"
     );
 }
 
@@ -337,7 +356,8 @@ async fn pg_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_postgres_v4",
             "trellis_sql_outbox_inbox_postgres_v5",
             "trellis_sql_outbox_inbox_postgres_v6",
-            "trellis_sql_outbox_inbox_postgres_v7"
+            "trellis_sql_outbox_inbox_postgres_v7",
+            "trellis_sql_outbox_inbox_postgres_v8"
         ]
     );
     assert!(first.already_applied.is_empty());
@@ -374,7 +394,8 @@ async fn pg_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_postgres_v4",
             "trellis_sql_outbox_inbox_postgres_v5",
             "trellis_sql_outbox_inbox_postgres_v6",
-            "trellis_sql_outbox_inbox_postgres_v7"
+            "trellis_sql_outbox_inbox_postgres_v7",
+            "trellis_sql_outbox_inbox_postgres_v8"
         ]
     );
     let (id, checksum): (String, String) = sqlx::query_as(
@@ -401,7 +422,8 @@ async fn sqlite_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_sqlite_v4",
             "trellis_sql_outbox_inbox_sqlite_v5",
             "trellis_sql_outbox_inbox_sqlite_v6",
-            "trellis_sql_outbox_inbox_sqlite_v7"
+            "trellis_sql_outbox_inbox_sqlite_v7",
+            "trellis_sql_outbox_inbox_sqlite_v8"
         ]
     );
     for table in [
@@ -426,7 +448,8 @@ async fn sqlite_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_sqlite_v4",
             "trellis_sql_outbox_inbox_sqlite_v5",
             "trellis_sql_outbox_inbox_sqlite_v6",
-            "trellis_sql_outbox_inbox_sqlite_v7"
+            "trellis_sql_outbox_inbox_sqlite_v7",
+            "trellis_sql_outbox_inbox_sqlite_v8"
         ]
     );
 }
@@ -482,12 +505,12 @@ async fn pg_concurrent_migrations_apply_once() {
     let db = TestPg::new().await;
     let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
     let applied: usize = reports.into_iter().map(|r| r.unwrap().applied.len()).sum();
-    assert_eq!(applied, 7, "each version applied by exactly one caller");
+    assert_eq!(applied, 8, "each version applied by exactly one caller");
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox_migrations")
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    assert_eq!(rows, 7, "one bookkeeping row per version");
+    assert_eq!(rows, 8, "one bookkeeping row per version");
     db.close().await;
 }
 
@@ -496,19 +519,19 @@ async fn sqlite_concurrent_migrations_apply_once() {
     let db = TestSqlite::new().await;
     let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
     let applied: usize = reports.into_iter().map(|r| r.unwrap().applied.len()).sum();
-    assert_eq!(applied, 7, "each version applied by exactly one caller");
+    assert_eq!(applied, 8, "each version applied by exactly one caller");
 }
 
 #[tokio::test]
 async fn pg_custom_tables_are_separate_and_default_ones_untouched() {
     let db = TestPg::new().await;
     let report = migrate_with(&db.pool, &service_tables()).await.unwrap();
-    assert_eq!(report.applied.len(), 7);
+    assert_eq!(report.applied.len(), 8);
     assert!(pg_table_exists(&db.pool, "service_outbox").await);
     assert!(pg_table_exists(&db.pool, "service_inbox").await);
     assert!(!pg_table_exists(&db.pool, "trellis_outbox").await);
     // The default tables are migrated independently in the same database.
-    assert_eq!(migrate(&db.pool).await.unwrap().applied.len(), 7);
+    assert_eq!(migrate(&db.pool).await.unwrap().applied.len(), 8);
     assert!(pg_table_exists(&db.pool, "trellis_outbox").await);
     db.close().await;
 }
@@ -538,7 +561,8 @@ async fn sqlite_adopts_a_table_created_by_trellis_ts() {
             "trellis_sql_outbox_inbox_sqlite_v4",
             "trellis_sql_outbox_inbox_sqlite_v5",
             "trellis_sql_outbox_inbox_sqlite_v6",
-            "trellis_sql_outbox_inbox_sqlite_v7"
+            "trellis_sql_outbox_inbox_sqlite_v7",
+            "trellis_sql_outbox_inbox_sqlite_v8"
         ]
     );
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox")
@@ -578,7 +602,7 @@ where
     }
     let report = migrate(pool).await.unwrap();
     assert!(report.upgraded_from_0_10);
-    assert_eq!(report.applied.len(), 7);
+    assert_eq!(report.applied.len(), 8);
     let again = migrate(pool).await.unwrap();
     assert!(!again.upgraded_from_0_10 && again.applied.is_empty());
 
@@ -651,11 +675,11 @@ async fn pg_mixed_case_names_are_one_table() {
     let mixed = OutboxTables::new("Mixed_Outbox", "Mixed_Inbox").unwrap();
     let report = migrate_with(&db.pool, &mixed).await.unwrap();
     assert!(report.upgraded_from_0_10, "{report:?}");
-    assert_eq!(report.applied.len(), 7);
+    assert_eq!(report.applied.len(), 8);
     let lower = OutboxTables::new("mixed_outbox", "mixed_inbox").unwrap();
     let again = migrate_with(&db.pool, &lower).await.unwrap();
     assert!(again.applied.is_empty(), "{again:?}");
-    assert_eq!(again.already_applied.len(), 7);
+    assert_eq!(again.already_applied.len(), 8);
     let outbox = trellis_outbox::Outbox::new(mixed);
     let mut tx = db.pool.begin().await.unwrap();
     outbox
@@ -682,7 +706,7 @@ async fn sqlite_mixed_case_names_share_their_record() {
     let mixed = OutboxTables::new("Mixed_Outbox", "Mixed_Inbox").unwrap();
     assert_eq!(
         migrate_with(&db.pool, &mixed).await.unwrap().applied.len(),
-        7
+        8
     );
     let lower = OutboxTables::new("mixed_outbox", "mixed_inbox").unwrap();
     let again = migrate_with(&db.pool, &lower).await.unwrap();
@@ -703,7 +727,7 @@ async fn tables_from_the_script_can_be_migrated<DB: trellis_outbox::OutboxDataba
         .await
         .unwrap();
     let report = migrate(pool).await.unwrap();
-    assert_eq!(report.applied.len(), 7, "{report:?}");
+    assert_eq!(report.applied.len(), 8, "{report:?}");
     assert!(migrate(pool).await.unwrap().applied.is_empty());
 }
 
@@ -767,7 +791,7 @@ async fn pg_migrate_needs_no_create_privilege_when_nothing_is_pending() {
             .unwrap();
     }
     let report = outcome.unwrap();
-    assert!(report.applied.is_empty() && report.already_applied.len() == 7);
+    assert!(report.applied.is_empty() && report.already_applied.len() == 8);
     db.close().await;
 }
 

@@ -43,6 +43,12 @@ pub(crate) fn holds_back(row: &str) -> String {
 /// can read that index.
 pub(crate) const UNDISPATCHED_KEYED: &str = "ordering_key IS NOT NULL AND state <> 'dispatched'";
 
+/// The predicate of `<outbox>_ord_open` (Postgres, version 8), the keyed rows a claim may
+/// still take ([`OPEN_STATES`]): the key walk and the claim's "any keyed rows?" test repeat
+/// it, so that dead rows kept for inspection cost them nothing.
+pub(crate) const OPEN_KEYED: &str =
+    "ordering_key IS NOT NULL AND state IN ('pending', 'failed', 'claimed')";
+
 /// The keys whose head is dead under the `block` policy ($1/?1 = limit, written by each
 /// dialect as `limit`): `(rows waiting behind it, key, head id)`.
 pub(crate) fn blocked_keys(o: &str, limit: &str) -> String {
@@ -343,6 +349,9 @@ pub(crate) struct Schema {
     /// one lock per key (a transaction with thousands of keys ran out of lock table); none
     /// on SQLite.
     pub(crate) ordering_locks: fn(&str) -> Ddl,
+    /// Version 8: on Postgres an index of the keys with open rows, for the key walk; none
+    /// on SQLite.
+    pub(crate) open_keys: fn(&str) -> Ddl,
 }
 
 impl Schema {
@@ -365,6 +374,7 @@ impl Schema {
             (self.ordering)(o),
             (self.unkeyed_claim)(o),
             (self.ordering_locks)(o),
+            (self.open_keys)(o),
         ]
     }
 
@@ -490,5 +500,18 @@ impl Ddl {
                 "CREATE INDEX IF NOT EXISTS {o}_claim_idx ON {o} (created_at, id) WHERE state IN ({OPEN_STATES})"
             ),
         ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn open_keyed_rows_are_the_open_states() {
+        assert_eq!(
+            OPEN_KEYED,
+            format!("ordering_key IS NOT NULL AND state IN ({OPEN_STATES})")
+        );
     }
 }

@@ -1,7 +1,7 @@
 //! The PostgreSQL schema: what its DDL differs in ([`Schema`]).
 
 use crate::dispatch::KNOWN_STATES;
-use crate::sql::{ColumnTypes, Ddl, OPEN_STATES, Schema};
+use crate::sql::{ColumnTypes, Ddl, OPEN_KEYED, OPEN_STATES, Schema};
 
 pub(crate) const SCHEMA: Schema = Schema {
     // Upstream Trellis 0.11's tables, byte for byte.
@@ -19,7 +19,22 @@ pub(crate) const SCHEMA: Schema = Schema {
     ordering,
     unkeyed_claim,
     ordering_locks,
+    open_keys,
 };
+
+/// Version 8: `<outbox>_ord_open`, the keys that have rows a claim may still take. The key
+/// walk and the claim's "any keyed rows?" test read it instead of `<outbox>_ord_idx`, which
+/// also holds dead rows: under `skip_dead` those are kept for inspection and block nothing,
+/// yet every claim walked their keys, and a table whose keyed rows were all dispatched or
+/// dead never went back to the plain unkeyed claim. Reverted by dropping it.
+fn open_keys(o: &str) -> Ddl {
+    Ddl {
+        up: vec![format!(
+            "CREATE INDEX IF NOT EXISTS {o}_ord_open ON {o} (ordering_key) WHERE {OPEN_KEYED}"
+        )],
+        down: vec![format!("DROP INDEX IF EXISTS {o}_ord_open")],
+    }
+}
 
 /// How many advisory locks the ordering trigger spreads keys over from version 7 on.
 const ORDERING_LOCKS: u32 = 1024;

@@ -4,7 +4,7 @@
 use crate::dispatch::KNOWN_STATES;
 use crate::sql::OPEN_STATES;
 #[cfg(feature = "postgres")]
-use crate::sql::{UNDISPATCHED_KEYED, holds_back};
+use crate::sql::{OPEN_KEYED, holds_back};
 
 /// The `next_attempt_at` of a `dead` row: far enough that an upstream Trellis dispatcher,
 /// which claims every undispatched row once it is due, never takes it.
@@ -266,11 +266,11 @@ impl PgOnly {
                 holds_back(row)
             )
         };
-        // The keys above `start`, one index probe each (`<outbox>_ord_idx`'s predicate), the
-        // next one found by `step` from the last (`w.k`).
+        // The keys above `start` that have open rows, one index probe each
+        // (`<outbox>_ord_open`'s predicate), the next one found by `step` from the last (`w.k`).
         let walk = |name: &str, start: &str, step: &str| {
             let least = |bound: &str| {
-                format!("SELECT min(ordering_key) FROM {o} WHERE {UNDISPATCHED_KEYED} AND {bound}")
+                format!("SELECT min(ordering_key) FROM {o} WHERE {OPEN_KEYED} AND {bound}")
             };
             format!(
                 "{name}(k) AS ({} UNION ALL SELECT ({}) FROM {name} AS w WHERE w.k IS NOT NULL)",
@@ -287,7 +287,7 @@ impl PgOnly {
         let returning = format!(
             "AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL \
              RETURNING {COLUMNS}, ordering_key, ordering_seq, COALESCE($4, now()) AS claim_cutoff, \
-             EXISTS (SELECT 1 FROM {o} WHERE {UNDISPATCHED_KEYED}) AS keyed"
+             EXISTS (SELECT 1 FROM {o} WHERE {OPEN_KEYED}) AS keyed"
         );
         // The oldest claimable rows without a key, locked.
         let unkeyed = format!(

@@ -20,12 +20,14 @@ pub(crate) const SCHEMA: Schema = Schema {
     ordering,
     unkeyed_claim,
     ordering_locks: unkeyed_claim,
+    open_keys: unkeyed_claim,
 };
 
-/// Versions 6 and 7: nothing on SQLite. Its claim takes the heads of keys through
+/// Versions 6, 7 and 8: nothing on SQLite. Its claim takes the heads of keys through
 /// `<outbox>_claim_idx`, so that index keeps the keyed rows (on Postgres version 6 drops
 /// them from it); it has one writer and no advisory locks (version 7 on Postgres spreads
-/// the ordering trigger's locks over buckets).
+/// the ordering trigger's locks over buckets; version 8 indexes the keys with open rows for
+/// its key walk, which SQLite does not have).
 fn unkeyed_claim(_: &str) -> Ddl {
     Ddl {
         up: Vec::new(),
