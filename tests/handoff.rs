@@ -191,6 +191,87 @@ async fn postgres_a_handoff_sends_no_notify() {
     dispatcher.shutdown().await;
 }
 
+/// A publisher that holds every publish until [`Stalling::open`], counting the calls that
+/// started.
+#[derive(Debug, Clone)]
+struct Stalling {
+    inner: RecordingPublisher,
+    open: std::sync::Arc<tokio::sync::watch::Sender<bool>>,
+    entered: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl trellis_outbox::Publisher for Stalling {
+    async fn publish_batch(
+        &self,
+        messages: &[trellis_outbox::OutboxMessage],
+    ) -> Vec<Result<Option<serde_json::Value>, trellis_outbox::PublishError>> {
+        self.entered
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let _ = self.open.subscribe().wait_for(|open| *open).await;
+        self.inner.publish_batch(messages).await
+    }
+}
+
+/// While publishing stalls, handed-over rows queue in memory only up to
+/// `max_handoff_backlog`: a commit past it hands nothing over, and its rows wait for their
+/// lease like rows of a dead dispatcher (then a drain publishes them once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_handoffs_past_the_backlog_bound_wait_for_their_lease() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let recorded = RecordingPublisher::new();
+    let publisher = Stalling {
+        inner: recorded.clone(),
+        open: std::sync::Arc::new(tokio::sync::watch::Sender::new(false)),
+        entered: std::sync::Arc::default(),
+    };
+    let dispatcher =
+        OutboxDispatcher::builder(SqlOutboxRepository::new(db.pool.clone()), publisher.clone())
+            .lease(Duration::from_secs(2))
+            .idle_interval(Duration::from_millis(100))
+            .max_handoff_backlog(5)
+            .start()
+            .unwrap();
+    sleep(Duration::from_millis(50)).await;
+    let handle = dispatcher.handle();
+    let mut batches = Vec::new();
+    for t in 0..3 {
+        let records: Vec<_> = (t * 3..t * 3 + 3).map(record).collect();
+        let mut tx = handle.begin(&db.pool).await.unwrap();
+        tx.enqueue_all(records.clone()).await.unwrap();
+        assert_eq!(tx.handed_over(), 3);
+        tx.commit().await.unwrap();
+        batches.push(records);
+        if t == 0 {
+            // The lane took the first handoff and is stuck publishing it.
+            let start = Instant::now();
+            while publisher.entered.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                assert!(start.elapsed() < WAIT, "the lane never published");
+                sleep(Duration::from_millis(5)).await;
+            }
+        }
+    }
+    // Queued: the second handoff (3 rows); the third would have made 6, past 5.
+    let committed = Instant::now();
+    publisher.open.send_replace(true);
+    sleep_until_after(committed, Duration::from_secs(1)).await;
+    let published = publishes(&recorded);
+    for r in batches[0].iter().chain(&batches[1]) {
+        assert_eq!(published.get(&r.id), Some(&1), "{} was handed over", r.id);
+    }
+    for r in &batches[2] {
+        assert!(!published.contains_key(&r.id), "{} was handed over", r.id);
+    }
+    let ids: Vec<&str> = batches.iter().flatten().map(|r| r.id.as_str()).collect();
+    settled(&db.pool, &recorded, &ids).await;
+    assert!(publishes(&recorded).values().all(|&n| n == 1));
+    dispatcher.shutdown().await;
+}
+
+async fn sleep_until_after(start: Instant, after: Duration) {
+    tokio::time::sleep_until(start + after).await;
+}
+
 async fn rolled_back_rows_are_never_published<DB: OutboxDatabase>(pool: Pool<DB>) {
     migrate(&pool).await.unwrap();
     let publisher = RecordingPublisher::new();

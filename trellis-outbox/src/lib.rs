@@ -113,11 +113,12 @@ pub use crate::descriptor::{
     TRELLIS_EVENT_DESCRIPTOR, event_descriptor_identity, trellis_event_subject,
 };
 pub use crate::dispatch::{
-    Backlog, BoxError, Claim, ClaimRequest, DEFAULT_BACKLOG_EVERY, DispatchError, DispatchOptions,
-    DispatchReport, Dispatched, DispatcherBuilder, DispatcherHandle, Disposition, ErrorCallback,
-    Failure, FailureOutcome, HandoffTarget, HandoffTransaction, MAX_RETRY_DELAY, MIN_RETRY_DELAY,
-    MemoryOutboxRepository, OutboxDispatcher, OutboxRepository, PoisonRow, PublishError, Publisher,
-    RetryOutcome, RetryPolicy, dispatch_outbox,
+    Backlog, BoxError, Claim, ClaimRequest, DEFAULT_BACKLOG_EVERY, DEFAULT_MAX_HANDOFF_BACKLOG,
+    DispatchError, DispatchOptions, DispatchReport, Dispatched, DispatcherBuilder,
+    DispatcherHandle, Disposition, ErrorCallback, Failure, FailureOutcome, HandoffTarget,
+    HandoffTransaction, MAX_RETRY_DELAY, MIN_RETRY_DELAY, MemoryOutboxRepository, OutboxDispatcher,
+    OutboxRepository, PoisonRow, PublishError, Publisher, RetryOutcome, RetryPolicy,
+    dispatch_outbox,
 };
 pub use crate::driver::OutboxDatabase;
 pub use crate::error::{Error, Result, TableKind};

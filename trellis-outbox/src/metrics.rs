@@ -13,6 +13,7 @@
 //! | [`MARK_SECONDS`] | histogram | — | marking one published batch |
 //! | [`CLAIMED_ROWS`] | histogram | — | rows per claim |
 //! | [`HANDED_OVER_ROWS`] | histogram | — | rows per batch the dispatcher was handed at commit ([`HandoffTransaction`](crate::HandoffTransaction)), published without a claim |
+//! | [`HANDOFF_OVERFLOW_ROWS`] | counter | — | committed rows not handed over because the dispatcher already had [`max_handoff_backlog`](crate::DispatcherBuilder::max_handoff_backlog) rows waiting (they are claimed after their lease) |
 //! | [`UNDISPATCHED`] | gauge | — | rows waiting to be dispatched (a dispatcher reports it) |
 //! | [`LAG_SECONDS`] | gauge | — | how long the oldest of them has waited (0 when none) |
 //! | [`INBOX_DUPLICATES`] | counter | `inbox` | `record_inbox` calls that found the id already there |
@@ -39,6 +40,9 @@ pub const MARK_SECONDS: &str = "trellis_outbox_mark_seconds";
 pub const CLAIMED_ROWS: &str = "trellis_outbox_claimed_rows";
 /// Rows per batch of handed-over rows (published without a claim).
 pub const HANDED_OVER_ROWS: &str = "trellis_outbox_handed_over_rows";
+/// Committed rows a [`HandoffTransaction`](crate::HandoffTransaction) did not hand over
+/// because the dispatcher's queue of handed-over rows was full.
+pub const HANDOFF_OVERFLOW_ROWS: &str = "trellis_outbox_handoff_overflow_rows";
 /// Rows waiting to be dispatched, as a dispatcher last saw them.
 pub const UNDISPATCHED: &str = "trellis_outbox_undispatched";
 /// Seconds the oldest undispatched row has waited since it was enqueued (0 when none).

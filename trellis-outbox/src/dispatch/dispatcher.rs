@@ -23,6 +23,10 @@ use crate::dispatch::repository::OutboxRepository;
 use crate::dispatch::retry::RetryPolicy;
 use crate::dispatch::worker::{LaneReceiver, Retention, Timing, Worker};
 
+/// How many handed-over rows may wait for a dispatcher's handoff lane, by default
+/// ([`DispatcherBuilder::max_handoff_backlog`]).
+pub const DEFAULT_MAX_HANDOFF_BACKLOG: usize = 10_000;
+
 /// How often a dispatcher reports the backlog gauges, by default.
 pub const DEFAULT_BACKLOG_EVERY: Duration = Duration::from_secs(15);
 
@@ -37,6 +41,7 @@ pub struct DispatcherBuilder<R, P> {
     on_error: Option<ErrorCallback>,
     retain_dispatched: Option<Duration>,
     backlog_every: Option<Duration>,
+    max_handoff_backlog: usize,
     #[cfg(feature = "postgres")]
     listen: Option<(sqlx::PgPool, crate::OutboxTables)>,
 }
@@ -75,6 +80,30 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
         /// notifies that never came (another process enqueued, a notify was lost). Must be
         /// at least 1 ms.
         idle_interval(interval: Duration) => idle_interval;
+    }
+
+    /// How many rows handed over at commit ([`HandoffTransaction`](crate::HandoffTransaction))
+    /// may wait for the dispatcher to publish them (default
+    /// [`DEFAULT_MAX_HANDOFF_BACKLOG`]). The queue lives in memory, and it grows while
+    /// publishing falls behind (a broker that stalls). A commit that would pass the bound
+    /// hands nothing over: its rows stay leased to this dispatcher, and any dispatcher claims
+    /// them once the lease ends (counted in
+    /// [`HANDOFF_OVERFLOW_ROWS`](crate::metrics::HANDOFF_OVERFLOW_ROWS)). At least 1.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn build(repo: trellis_outbox::PgOutboxRepository, publisher: trellis_outbox::JetStreamPublisher) -> Result<(), trellis_outbox::DispatchError> {
+    /// use trellis_outbox::OutboxDispatcher;
+    ///
+    /// let dispatcher = OutboxDispatcher::builder(repo, publisher)
+    ///     .max_handoff_backlog(50_000)
+    ///     .start()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn max_handoff_backlog(mut self, rows: usize) -> Self {
+        self.max_handoff_backlog = rows;
+        self
     }
 
     /// Deletes `dispatched` rows last updated more than `older_than` ago, from the dispatcher
@@ -161,6 +190,12 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
     /// [`DispatchError::NoRuntime`] outside a tokio runtime.
     pub fn start(self) -> Result<OutboxDispatcher, DispatchError> {
         self.options.validate(&self.publisher)?;
+        if self.max_handoff_backlog == 0 {
+            return Err(DispatchError::InvalidOption {
+                option: "max_handoff_backlog",
+                problem: "must be at least 1 row (use a plain transaction to hand nothing over)",
+            });
+        }
         if self.idle_interval < Duration::from_millis(1) {
             return Err(DispatchError::InvalidOption {
                 option: "idle_interval",
@@ -175,16 +210,20 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
             Some(target) => {
                 let (rows_tx, rows_rx) = mpsc::unbounded_channel();
                 let token: Arc<str> = crate::record::new_id().into();
+                let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
                 let lane = Lane {
                     target,
                     token: Arc::clone(&token),
                     lease: self.options.lease,
                     rows: rows_tx,
+                    queued: Arc::clone(&queued),
+                    max_queued: self.max_handoff_backlog,
                 };
                 let receiver = LaneReceiver {
                     rows: rows_rx,
                     token,
                     wake: wake_tx.clone(),
+                    queued,
                 };
                 (Some(lane), Some(receiver))
             }
@@ -374,6 +413,7 @@ impl OutboxDispatcher {
             on_error: None,
             retain_dispatched: None,
             backlog_every: Some(DEFAULT_BACKLOG_EVERY),
+            max_handoff_backlog: DEFAULT_MAX_HANDOFF_BACKLOG,
             #[cfg(feature = "postgres")]
             listen: None,
         }
@@ -500,5 +540,24 @@ mod tests {
             .start()
             .unwrap_err();
         assert!(matches!(err, DispatchError::NoRuntime));
+    }
+
+    #[test]
+    fn an_empty_handoff_backlog_is_refused() {
+        let repo = crate::MemoryOutboxRepository::new();
+        let err = OutboxDispatcher::builder(repo, TestPublisher(None))
+            .max_handoff_backlog(0)
+            .start()
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                DispatchError::InvalidOption {
+                    option: "max_handoff_backlog",
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 }

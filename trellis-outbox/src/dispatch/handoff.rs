@@ -17,6 +17,7 @@
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use sqlx::{Pool, Transaction};
@@ -84,6 +85,10 @@ pub(crate) struct Lane {
     pub(crate) token: Arc<str>,
     pub(crate) lease: Duration,
     pub(crate) rows: mpsc::UnboundedSender<Handoff>,
+    /// Rows sent on `rows` and not yet taken by the lane.
+    pub(crate) queued: Arc<AtomicUsize>,
+    /// The most rows `queued` may reach; a commit that would pass it hands nothing over.
+    pub(crate) max_queued: usize,
 }
 
 impl Lane {
@@ -385,8 +390,19 @@ impl<'c, DB: OutboxDatabase> HandoffTransaction<'c, DB> {
                 messages: leased,
                 deadline: crate::dispatch::engine::deadline(since, lane.lease),
             };
-            // A stopped dispatcher leaves the rows to whoever claims them after the lease.
-            if lane.rows.send(handoff).is_err() {
+            // Memory stays bounded while the lane falls behind (a broker that stalls):
+            // past the bound, the rows are left to whoever claims them after their lease.
+            let rows = handoff.messages.len();
+            if lane.queued.fetch_add(rows, Ordering::AcqRel) + rows > lane.max_queued {
+                lane.queued.fetch_sub(rows, Ordering::AcqRel);
+                ::metrics::counter!(crate::metrics::HANDOFF_OVERFLOW_ROWS).increment(rows as u64);
+                tracing::debug!(
+                    rows,
+                    "outbox dispatcher has too many handed-over rows waiting: these wait for their lease"
+                );
+            } else if lane.rows.send(handoff).is_err() {
+                // A stopped dispatcher leaves the rows to whoever claims them after the lease.
+                lane.queued.fetch_sub(rows, Ordering::AcqRel);
                 tracing::debug!("outbox dispatcher stopped: handed-over rows wait for their lease");
             }
         }

@@ -24,7 +24,8 @@ mod worker;
 
 pub(crate) use claim::run_limit;
 pub use dispatcher::{
-    DEFAULT_BACKLOG_EVERY, DispatcherBuilder, DispatcherHandle, OutboxDispatcher,
+    DEFAULT_BACKLOG_EVERY, DEFAULT_MAX_HANDOFF_BACKLOG, DispatcherBuilder, DispatcherHandle,
+    OutboxDispatcher,
 };
 pub use engine::dispatch_outbox;
 #[cfg(feature = "nats")]

@@ -49,6 +49,8 @@ pub(super) struct LaneReceiver {
     pub(super) token: Arc<str>,
     /// The drains' notify channel: told when handed-over rows failed.
     pub(super) wake: mpsc::Sender<()>,
+    /// Rows sent and not yet taken (see [`Lane::queued`](super::handoff::Lane)).
+    pub(super) queued: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// When the task drains besides notifies and retry timers.
@@ -130,7 +132,8 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
             // A panic (in the repository: the publisher's are caught) ends one batch, not
             // the lane: the rows of that batch wait for their lease.
             while !cancel.is_cancelled() {
-                let lane = engine.handoff_lane(&mut lane.rows, &lane.token, &lane.wake);
+                let lane =
+                    engine.handoff_lane(&mut lane.rows, &lane.queued, &lane.token, &lane.wake);
                 match guarded("handoff lane", async {
                     lane.await;
                     Ok(())

@@ -41,6 +41,7 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
     pub(in crate::dispatch) async fn handoff_lane(
         &self,
         rows: &mut mpsc::UnboundedReceiver<Handoff>,
+        queued: &std::sync::atomic::AtomicUsize,
         token: &str,
         wake: &mpsc::Sender<()>,
     ) {
@@ -93,6 +94,8 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                     }
                 }
             }
+            let taken = received.iter().map(|handoff| handoff.messages.len()).sum();
+            queued.fetch_sub(taken, std::sync::atomic::Ordering::AcqRel);
             let leased = leased(token, received.drain(..));
             ::metrics::histogram!(metrics::HANDED_OVER_ROWS).record(leased.claim.len() as f64);
             let span = batch_span(&leased.claim);
