@@ -86,6 +86,8 @@ struct Probe {
     log: Mutex<ClaimLog>,
     /// How long `next_due_in` takes.
     slow_due: Mutex<Duration>,
+    /// How long `backlog` takes.
+    slow_backlog: Mutex<Duration>,
     /// How often `next_due_in` was asked.
     due_asks: AtomicUsize,
     /// Repository calls dropped before they finished (on a database, each costs the
@@ -123,6 +125,7 @@ impl Probe {
             overlap: std::sync::atomic::AtomicBool::new(false),
             log: Mutex::new(Vec::new()),
             slow_due: Mutex::new(Duration::ZERO),
+            slow_backlog: Mutex::new(Duration::ZERO),
             due_asks: AtomicUsize::new(0),
             cancelled: Arc::new(AtomicUsize::new(0)),
         })
@@ -210,6 +213,12 @@ impl OutboxRepository for Probe {
         let due = self.inner.next_due_in().await;
         running.done();
         due
+    }
+
+    async fn backlog(&self) -> trellis_outbox::Result<Option<trellis_outbox::Backlog>> {
+        let slow = *self.slow_backlog.lock().unwrap();
+        sleep(slow).await;
+        self.inner.backlog().await
     }
 
     fn overlaps_batches(&self) -> bool {
@@ -1228,6 +1237,32 @@ async fn a_notify_while_the_last_mark_runs_claims_at_once() {
 /// A notify never drops a repository call in flight (on a database that would cost the
 /// call's connection, and the next call a new session), and one that arrives while the
 /// post-drain `next_due_in` runs still starts the next drain at once, without waiting for it.
+/// Counting the backlog for the gauges (every 15 s by default) runs beside the drains: a slow
+/// count (a large backlog) does not hold up the drain a notify asks for.
+#[tokio::test(start_paused = true)]
+async fn a_slow_backlog_count_does_not_hold_up_drains() {
+    let inner = Arc::new(MemoryOutboxRepository::new());
+    let probe = Probe::new(inner.clone());
+    *probe.slow_backlog.lock().unwrap() = Duration::from_secs(10);
+    let publisher = RecordingPublisher::new();
+    let dispatcher = OutboxDispatcher::builder(probe.clone(), publisher.clone())
+        .idle_interval(LONG)
+        .start()
+        .unwrap();
+    // The start-up drain is over and the first count is running.
+    sleep(Duration::from_millis(50)).await;
+    inner.enqueue(&prepared("a")).unwrap();
+    let notified = Instant::now();
+    dispatcher.notify();
+    assert!(publisher.wait_for_attempts(1, WAIT).await);
+    assert!(
+        notified.elapsed() < Duration::from_secs(1),
+        "the drain waited {:?} for the backlog count",
+        notified.elapsed()
+    );
+    dispatcher.shutdown().await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_notify_does_not_cancel_a_running_repository_call() {
     let inner = Arc::new(MemoryOutboxRepository::new());

@@ -21,7 +21,7 @@ use crate::dispatch::publisher::Publisher;
 use crate::dispatch::repository::OutboxRepository;
 #[cfg(doc)]
 use crate::dispatch::retry::RetryPolicy;
-use crate::dispatch::worker::{LaneReceiver, Retention, Timing, Worker};
+use crate::dispatch::worker::{BacklogReport, LaneReceiver, Retention, Timing, Worker};
 
 /// How many handed-over rows may wait for a dispatcher's handoff lane, by default
 /// ([`DispatcherBuilder::max_handoff_backlog`]).
@@ -243,7 +243,7 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
             cancel: cancel.clone(),
             wake: wake_rx,
             retention: self.retain_dispatched.map(Retention::new),
-            backlog: self.backlog_every.map(|every| (every, Instant::now())),
+            backlog: self.backlog_every.map(BacklogReport::new),
         };
         let task = runtime.spawn(
             worker

@@ -39,7 +39,7 @@ pub(super) struct Worker<R, P> {
     /// Deleting old dispatched rows, if asked for.
     pub(super) retention: Option<Retention>,
     /// Reporting the backlog gauges: how often, and when next.
-    pub(super) backlog: Option<(Duration, Instant)>,
+    pub(super) backlog: Option<BacklogReport>,
 }
 
 /// The task's end of the handoff lane.
@@ -73,6 +73,25 @@ pub(super) struct Retention {
     /// The purge running on a task of its own: deleting a large backlog of old rows takes
     /// many statements, which must not hold up drains or shutdown.
     running: Option<tokio::task::JoinHandle<crate::Result<u64>>>,
+}
+
+/// [`DispatcherBuilder::backlog_every`](crate::DispatcherBuilder::backlog_every): how often
+/// to report the backlog gauges, when next, and the count running.
+#[derive(Debug)]
+pub(super) struct BacklogReport {
+    every: Duration,
+    next: Instant,
+    running: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl BacklogReport {
+    pub(super) fn new(every: Duration) -> Self {
+        Self {
+            every,
+            next: Instant::now(),
+            running: None,
+        }
+    }
 }
 
 /// Rows per purge statement.
@@ -176,7 +195,7 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
                 break;
             }
             self.purge_if_due().await;
-            self.report_backlog_if_due().await;
+            self.report_backlog_if_due();
             let retry_at = match drained {
                 None => Some(deadline(Instant::now(), repository_backoff(errors))),
                 Some(Drained { claimed, retry_at }) => {
@@ -230,6 +249,9 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
         // A purge still running does not outlive the dispatcher (its pool connection would).
         if let Some(purge) = self.retention.as_mut().and_then(|r| r.running.take()) {
             purge.abort();
+        }
+        if let Some(count) = self.backlog.as_mut().and_then(|b| b.running.take()) {
+            count.abort();
         }
         tracing::debug!("outbox dispatcher stopped");
     }
@@ -346,40 +368,43 @@ impl<R: OutboxRepository, P: Publisher> Worker<R, P> {
     }
 
     /// Sets the [`UNDISPATCHED`](crate::metrics::UNDISPATCHED) and
-    /// [`LAG_SECONDS`](crate::metrics::LAG_SECONDS) gauges, at most once per interval.
-    async fn report_backlog_if_due(&mut self) {
-        let Some((every, next)) = &mut self.backlog else {
+    /// [`LAG_SECONDS`](crate::metrics::LAG_SECONDS) gauges, at most once per interval, on a
+    /// task of its own: counting a large backlog must not hold up the next drain (notifies
+    /// would wait behind it). A count still running when the next is due skips that one.
+    fn report_backlog_if_due(&mut self) {
+        let Some(backlog) = &mut self.backlog else {
             return;
         };
-        if Instant::now() < *next {
+        if Instant::now() < backlog.next
+            || backlog
+                .running
+                .as_ref()
+                .is_some_and(|running| !running.is_finished())
+        {
             return;
         }
-        *next = deadline(Instant::now(), *every);
-        // Shutdown does not wait for a slow count, and a panicking repository is reported,
-        // not the end of the task.
-        let reading = async {
-            self.repo
-                .backlog()
-                .await
-                .map_err(|source| DispatchError::Repository {
-                    operation: "read the backlog",
-                    source,
-                })
-        };
-        let read = tokio::select! {
-            biased;
-            () = self.cancel.cancelled() => return,
-            read = guarded("repository", reading) => read,
-        };
-        match read {
-            Ok(Some(backlog)) => {
-                metrics::gauge!(crate::metrics::UNDISPATCHED).set(backlog.undispatched as f64);
-                metrics::gauge!(crate::metrics::LAG_SECONDS)
-                    .set(backlog.oldest.map_or(0.0, |age| age.as_secs_f64()));
+        backlog.next = deadline(Instant::now(), backlog.every);
+        let (repo, on_error) = (Arc::clone(&self.repo), self.on_error.clone());
+        backlog.running = Some(tokio::spawn(async move {
+            // A panicking repository is reported, not the end of the task.
+            let reading = async {
+                repo.backlog()
+                    .await
+                    .map_err(|source| DispatchError::Repository {
+                        operation: "read the backlog",
+                        source,
+                    })
+            };
+            match guarded("repository", reading).await {
+                Ok(Some(backlog)) => {
+                    metrics::gauge!(crate::metrics::UNDISPATCHED).set(backlog.undispatched as f64);
+                    metrics::gauge!(crate::metrics::LAG_SECONDS)
+                        .set(backlog.oldest.map_or(0.0, |age| age.as_secs_f64()));
+                }
+                Ok(None) => {}
+                Err(error) => report_error(on_error.as_deref(), &error),
             }
-            Ok(None) => {}
-            Err(error) => self.report(&error),
-        }
+        }));
     }
 
     /// One drain: passes of waves until no notify arrived during the last pass.
