@@ -9,7 +9,7 @@
 //! | [`FAILED`] | counter | `name` | attempts that failed and will be retried |
 //! | [`DEAD`] | counter | `name` | rows moved to `dead` (given up, refused, or poison) |
 //! | [`CLAIM_SECONDS`] | histogram | — | one claim statement |
-//! | [`PUBLISH_SECONDS`] | histogram | — | publishing one claimed batch |
+//! | [`PUBLISH_SECONDS`] | histogram | — | one publisher call: a claimed batch, one round of it when it holds runs of ordering keys (one row per key per round), or a batch of handed-over rows |
 //! | [`MARK_SECONDS`] | histogram | — | marking one published batch |
 //! | [`CLAIMED_ROWS`] | histogram | — | rows per claim |
 //! | [`HANDED_OVER_ROWS`] | histogram | — | rows per batch the dispatcher was handed at commit ([`HandoffTransaction`](crate::HandoffTransaction)), published without a claim |
@@ -32,7 +32,8 @@ pub const FAILED: &str = "trellis_outbox_failed_total";
 pub const DEAD: &str = "trellis_outbox_dead_total";
 /// Seconds one claim took.
 pub const CLAIM_SECONDS: &str = "trellis_outbox_claim_seconds";
-/// Seconds publishing one claimed batch took.
+/// Seconds one publisher call took (a claimed batch, one round of it when it holds runs of
+/// ordering keys, or a batch of handed-over rows).
 pub const PUBLISH_SECONDS: &str = "trellis_outbox_publish_seconds";
 /// Seconds marking one published batch took.
 pub const MARK_SECONDS: &str = "trellis_outbox_mark_seconds";
