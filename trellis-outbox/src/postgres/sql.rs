@@ -284,10 +284,14 @@ impl PgOnly {
              ELSE next_attempt_at END, \
              state = CASE WHEN $5 AND state = 'claimed' THEN 'pending' ELSE state END"
         );
+        // Whether open keyed rows exist, as `min(ordering_key)`: Postgres answers a `min` from
+        // the first entry of `<outbox>_ord_open`. An `EXISTS` of the same predicate can be
+        // planned as a sequential scan (the statistics take keyed rows for open ones in
+        // proportion), which reads the whole table when none is open: 12 ms at 120,000 rows.
         let returning = format!(
             "AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL \
              RETURNING {COLUMNS}, ordering_key, ordering_seq, COALESCE($4, now()) AS claim_cutoff, \
-             EXISTS (SELECT 1 FROM {o} WHERE {OPEN_KEYED}) AS keyed"
+             (SELECT min(ordering_key) FROM {o} WHERE {OPEN_KEYED}) IS NOT NULL AS keyed"
         );
         // The oldest claimable rows without a key, locked.
         let unkeyed = format!(
