@@ -101,7 +101,7 @@ async fn sqlite_migrate_status_list_inspect_retry_purge() {
         migrated.contains("applied trellis_sql_outbox_inbox_sqlite_v1"),
         "{migrated}"
     );
-    assert!(ok(&tool(&url, &nats, &["migrate"])).contains("0 applied, 6 already applied"));
+    assert!(ok(&tool(&url, &nats, &["migrate"])).contains("0 applied, 8 already applied"));
 
     let empty: Value =
         serde_json::from_str(&ok(&tool(&url, &nats, &["status", "--json"]))).unwrap();
@@ -314,6 +314,13 @@ async fn errors_are_one_line_and_a_non_zero_exit() {
         &["--help"],
     ));
     assert!(!help.contains("hunter2"), "{help}");
+    // The command's own text, not its Rust documentation (an example for embedders).
+    assert!(
+        help.starts_with("See and repair a trellis-outbox outbox")
+            && !help.contains("```")
+            && !help.contains("Parsed by clap"),
+        "{help}"
+    );
 }
 
 /// A `--progress-every` near `u64::MAX` seconds (which humantime accepts; an audit read

@@ -30,7 +30,7 @@ use crate::tables::{Dialect, OutboxTables};
 /// assert_eq!(error.kind(), clap::error::ErrorKind::InvalidValue);
 /// ```
 #[derive(Debug, Parser)]
-#[command(name = "trellis-outbox", version, about)]
+#[command(name = "trellis-outbox", version, long_about = None)]
 pub struct Cli {
     #[command(flatten)]
     global: Global,
