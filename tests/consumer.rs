@@ -804,17 +804,62 @@ async fn shutdown_does_not_wait_for_a_database_out_of_reach() {
     h.end().await;
 }
 
+/// A consumer over Postgres (`pool`, on `db` with an `effects` table made by `effects`), on a
+/// fresh stream and durable (ack wait 2 s, `max_deliver`), with quick retries; its failures
+/// go to `failures`.
+struct PgConsumer {
+    db: TestPg,
+    js: Context,
+    stream: TestStream,
+    name: String,
+    failures: Failures,
+}
+
+impl PgConsumer {
+    async fn new(effects: &'static str, max_deliver: i64) -> Self {
+        let db = TestPg::new().await;
+        migrate(&db.pool).await.unwrap();
+        sqlx::query(effects).execute(&db.pool).await.unwrap();
+        let js = jetstream().await;
+        let stream = TestStream::events(&js).await;
+        let name = consumer_name();
+        durable(&stream, &name, Duration::from_secs(2), max_deliver).await;
+        Self {
+            db,
+            js,
+            stream,
+            name,
+            failures: Arc::default(),
+        }
+    }
+
+    async fn start(
+        &self,
+        pool: sqlx::PgPool,
+        handler: trellis_outbox::HandlerFn<Postgres, Shipped>,
+    ) -> ConsumerHandle {
+        let reported = self.failures.clone();
+        Consumer::builder(self.stream.context.clone(), pool, handler)
+            .bind(&self.stream.name, &self.name)
+            .retry_policy(quick_retry())
+            .on_error(move |f| reported.lock().unwrap().push(f.clone()))
+            .start()
+            .await
+            .unwrap()
+    }
+}
+
 /// The same over a real outage: Postgres behind a relay that cuts every connection and then
 /// refuses new ones for a while. Messages published meanwhile are applied once it is back,
 /// each at its first delivery.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_postgres_outage_spends_no_deliveries() {
-    let db = TestPg::new().await;
-    migrate(&db.pool).await.unwrap();
-    sqlx::query("CREATE TABLE effects (event_id text NOT NULL, delivery bigint NOT NULL)")
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    let h = PgConsumer::new(
+        "CREATE TABLE effects (event_id text NOT NULL, delivery bigint NOT NULL)",
+        3,
+    )
+    .await;
+    let (db, js, stream, name, failures) = (&h.db, &h.js, &h.stream, &h.name, &h.failures);
     let outage = trellis_outbox_tests::cut::CutRelay::start(format!(
         "{}:{}",
         db.options.get_host(),
@@ -827,35 +872,24 @@ async fn a_postgres_outage_spends_no_deliveries() {
         .connect_with(db.options.clone().host("127.0.0.1").port(outage.port))
         .await
         .unwrap();
-    let js = jetstream().await;
-    let stream = TestStream::events(&js).await;
-    let name = consumer_name();
-    durable(&stream, &name, Duration::from_secs(2), 3).await;
-    let failures: Failures = Arc::default();
-    let reported = failures.clone();
-    let consumer = Consumer::builder(
-        stream.context.clone(),
-        pool,
-        handler_fn(
-            |tx: &mut Transaction<'static, Postgres>, d: Delivered<Shipped>| {
-                Box::pin(async move {
-                    sqlx::query("INSERT INTO effects (event_id, delivery) VALUES ($1, $2)")
-                        .bind(&d.id)
-                        .bind(i64::try_from(d.delivery).unwrap())
-                        .execute(&mut **tx)
-                        .await?;
-                    Ok(())
-                })
-            },
-        ),
-    )
-    .bind(&stream.name, &name)
-    .retry_policy(quick_retry())
-    .on_error(move |f| reported.lock().unwrap().push(f.clone()))
-    .start()
-    .await
-    .unwrap();
-    publish(&js, stream.subject("shipped.o0"), Some("evt-0"), shipped(0)).await;
+    let consumer = h
+        .start(
+            pool,
+            handler_fn(
+                |tx: &mut Transaction<'static, Postgres>, d: Delivered<Shipped>| {
+                    Box::pin(async move {
+                        sqlx::query("INSERT INTO effects (event_id, delivery) VALUES ($1, $2)")
+                            .bind(&d.id)
+                            .bind(i64::try_from(d.delivery).unwrap())
+                            .execute(&mut **tx)
+                            .await?;
+                        Ok(())
+                    })
+                },
+            ),
+        )
+        .await;
+    publish(js, stream.subject("shipped.o0"), Some("evt-0"), shipped(0)).await;
     eventually(
         Duration::from_secs(30),
         "the first event applied",
@@ -865,7 +899,7 @@ async fn a_postgres_outage_spends_no_deliveries() {
     outage.down();
     for n in 1..4 {
         let subject = stream.subject(&format!("shipped.o{n}"));
-        publish(&js, subject, Some(&format!("evt-{n}")), shipped(n)).await;
+        publish(js, subject, Some(&format!("evt-{n}")), shipped(n)).await;
     }
     // Three ack waits: had the messages not been kept in progress, the server would have
     // spent their last delivery (3) by now.
@@ -882,7 +916,7 @@ async fn a_postgres_outage_spends_no_deliveries() {
     })
     .await;
     eventually(Duration::from_secs(30), "every message settled", || async {
-        pending(&stream, &name).await == (0, 0)
+        pending(stream, name).await == (0, 0)
     })
     .await;
     let report = consumer.shutdown().await.unwrap();
@@ -907,7 +941,7 @@ async fn a_postgres_outage_spends_no_deliveries() {
             && matches!(f.action, FailureAction::WaitForDatabase)),
         "{failures:?}"
     );
-    assert!(dead_letters(&js, &name).await.is_empty());
+    assert!(dead_letters(js, name).await.is_empty());
     stream.delete().await;
 }
 
@@ -952,49 +986,35 @@ async fn a_handler_failing_twice_then_succeeding_applies_once() {
 /// counted applied and acked (nothing was written): it is redelivered and applied then.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_aborted_postgres_transaction_is_not_acked_as_applied() {
-    let db = TestPg::new().await;
-    migrate(&db.pool).await.unwrap();
-    sqlx::query("CREATE TABLE effects (event_id text NOT NULL)")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    let js = jetstream().await;
-    let stream = TestStream::events(&js).await;
-    let name = consumer_name();
-    durable(&stream, &name, Duration::from_secs(2), 10).await;
-    let failures: Failures = Arc::default();
-    let reported = failures.clone();
-    let consumer = Consumer::builder(
-        stream.context.clone(),
-        db.pool.clone(),
-        handler_fn(
-            |tx: &mut Transaction<'static, Postgres>, d: Delivered<Shipped>| {
-                Box::pin(async move {
-                    sqlx::query("INSERT INTO effects (event_id) VALUES ($1)")
-                        .bind(&d.id)
-                        .execute(&mut **tx)
-                        .await?;
-                    if d.delivery == 1 {
-                        // "Already done, ignore": the error is swallowed, the transaction is not.
-                        let swallowed = sqlx::query("SELECT 1 / 0").execute(&mut **tx).await;
-                        assert!(swallowed.is_err());
-                    }
-                    Ok(())
-                })
-            },
-        ),
-    )
-    .bind(&stream.name, &name)
-    .retry_policy(quick_retry())
-    .on_error(move |f| reported.lock().unwrap().push(f.clone()))
-    .start()
-    .await
-    .unwrap();
-    publish(&js, stream.subject("shipped.o1"), Some("evt-1"), shipped(1)).await;
+    let h = PgConsumer::new("CREATE TABLE effects (event_id text NOT NULL)", 10).await;
+    let (db, js, stream, name, failures) = (&h.db, &h.js, &h.stream, &h.name, &h.failures);
+    let consumer = h
+        .start(
+            db.pool.clone(),
+            handler_fn(
+                |tx: &mut Transaction<'static, Postgres>, d: Delivered<Shipped>| {
+                    Box::pin(async move {
+                        sqlx::query("INSERT INTO effects (event_id) VALUES ($1)")
+                            .bind(&d.id)
+                            .execute(&mut **tx)
+                            .await?;
+                        if d.delivery == 1 {
+                            // "Already done, ignore": the error is swallowed, the transaction
+                            // is not.
+                            let swallowed = sqlx::query("SELECT 1 / 0").execute(&mut **tx).await;
+                            assert!(swallowed.is_err());
+                        }
+                        Ok(())
+                    })
+                },
+            ),
+        )
+        .await;
+    publish(js, stream.subject("shipped.o1"), Some("evt-1"), shipped(1)).await;
     eventually(
         Duration::from_secs(30),
         "the message to be settled",
-        || async { pending(&stream, &name).await == (0, 0) },
+        || async { pending(stream, name).await == (0, 0) },
     )
     .await;
     let report = consumer.shutdown().await.unwrap();
