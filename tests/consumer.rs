@@ -424,11 +424,22 @@ impl Harness {
         max_deliveries: Option<u32>,
         fail: fn(&str, u64) -> Option<HandlerError>,
     ) -> ConsumerHandle {
+        self.start_on(self.db.pool.clone(), max_deliveries, fail)
+            .await
+    }
+
+    /// [`start`](Self::start) on a pool of the harness' database other than its own.
+    async fn start_on(
+        &self,
+        pool: sqlx::SqlitePool,
+        max_deliveries: Option<u32>,
+        fail: fn(&str, u64) -> Option<HandlerError>,
+    ) -> ConsumerHandle {
         let deliveries = self.deliveries.clone();
         let failures = self.failures.clone();
         let mut builder = Consumer::builder(
             self.stream.context.clone(),
-            self.db.pool.clone(),
+            pool,
             handler_fn(
                 move |tx: &mut Transaction<'static, Sqlite>, d: Delivered<Shipped>| {
                     let deliveries = deliveries.clone();
@@ -649,38 +660,7 @@ async fn a_database_out_of_reach_spends_no_deliveries() {
         .await
         .unwrap();
     let held = pool.acquire().await.unwrap();
-    let deliveries = h.deliveries.clone();
-    let failures = h.failures.clone();
-    let consumer = Consumer::builder(
-        h.stream.context.clone(),
-        pool,
-        handler_fn(
-            move |tx: &mut Transaction<'static, Sqlite>, d: Delivered<Shipped>| {
-                let deliveries = deliveries.clone();
-                Box::pin(async move {
-                    deliveries
-                        .lock()
-                        .unwrap()
-                        .entry(d.id.clone())
-                        .or_default()
-                        .push(d.delivery);
-                    sqlx::query("INSERT INTO effects (event_id) VALUES (?)")
-                        .bind(&d.id)
-                        .execute(&mut **tx)
-                        .await?;
-                    Ok(())
-                })
-            },
-        ),
-    )
-    .bind(&h.stream.name, &h.name)
-    .retry_policy(quick_retry())
-    .max_deliveries(2)
-    .concurrency(3)
-    .on_error(move |f| failures.lock().unwrap().push(f.clone()))
-    .start()
-    .await
-    .unwrap();
+    let consumer = h.start_on(pool, Some(2), |_, _| None).await;
     publish_shipped(&h, 0, 3).await;
     // Many acquire timeouts each, well past two deliveries' worth.
     tokio::time::sleep(Duration::from_secs(3)).await;
