@@ -358,6 +358,7 @@ pub(crate) fn sqlx_is_retryable(error: &sqlx::Error) -> bool {
 /// serialization failure is retryable but caused by the work, and so is not counted here.
 /// Some of these can still be the work's own doing (a backend killed for running too long, a
 /// handler waiting on its own lock): the consumer checks the database before it believes it.
+#[cfg(feature = "nats")]
 pub(crate) fn sqlx_is_unavailable(error: &sqlx::Error) -> bool {
     match error {
         sqlx::Error::Io(_)
@@ -370,6 +371,7 @@ pub(crate) fn sqlx_is_unavailable(error: &sqlx::Error) -> bool {
 }
 
 /// [`sqlx_is_unavailable`] for a database error.
+#[cfg(feature = "nats")]
 fn database_is_unavailable(db: &dyn sqlx::error::DatabaseError) -> bool {
     #[cfg(feature = "postgres")]
     if let Some(pg) = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
