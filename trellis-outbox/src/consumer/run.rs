@@ -558,20 +558,14 @@ async fn wait_in_place<DB: OutboxDatabase, E, H>(
     message: &Message,
     after: Duration,
 ) -> bool {
-    let until = tokio::time::Instant::now() + after;
-    loop {
-        // Best effort, as the keep-alive: a lost one risks a redelivery the inbox absorbs.
-        let _ = message.ack_with(AckKind::Progress).await;
-        let now = tokio::time::Instant::now();
-        if now >= until {
-            return true;
-        }
-        let step = (until - now).min(shared.settings.progress_every);
-        tokio::select! {
-            biased;
-            () = shared.cancel.cancelled() => return false,
-            () = tokio::time::sleep(step) => {}
-        }
+    // At once too: the attempt before may have run without keep-alive. Best effort, as the
+    // keep-alive: a lost one risks a redelivery the inbox absorbs.
+    let _ = message.ack_with(AckKind::Progress).await;
+    let sleep = tokio::time::sleep(after);
+    tokio::select! {
+        biased;
+        () = shared.cancel.cancelled() => false,
+        () = keeping_alive(message, Some(shared.settings.progress_every), sleep) => true,
     }
 }
 
