@@ -64,6 +64,20 @@ impl CutRelay {
         self.stalls.send_modify(|stalls| *stalls += 1);
     }
 
+    /// Starts a relay in front of the Postgres server of `options`; returns it with the same
+    /// options pointed through it.
+    ///
+    /// # Panics
+    ///
+    /// As [`start`](Self::start).
+    pub async fn before_postgres(
+        options: &sqlx::postgres::PgConnectOptions,
+    ) -> (Self, sqlx::postgres::PgConnectOptions) {
+        let relay = Self::start(format!("{}:{}", options.get_host(), options.get_port())).await;
+        let through = options.clone().host("127.0.0.1").port(relay.port);
+        (relay, through)
+    }
+
     /// Cuts every connection through the relay and refuses new ones until [`up`](Self::up).
     pub fn down(&self) {
         self.down.send_replace(true);

@@ -840,16 +840,11 @@ async fn a_postgres_outage_spends_no_deliveries() {
     )
     .await;
     let (db, js, stream, name, failures) = (&h.db, &h.js, &h.stream, &h.name, &h.failures);
-    let outage = trellis_outbox_tests::cut::CutRelay::start(format!(
-        "{}:{}",
-        db.options.get_host(),
-        db.options.get_port()
-    ))
-    .await;
+    let (outage, through) = trellis_outbox_tests::cut::CutRelay::before_postgres(&db.options).await;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)
         .acquire_timeout(Duration::from_millis(500))
-        .connect_with(db.options.clone().host("127.0.0.1").port(outage.port))
+        .connect_with(through)
         .await
         .unwrap();
     let consumer = h

@@ -395,17 +395,12 @@ async fn a_listener_that_loses_its_database_reports_each_failed_reconnect_then_r
 async fn a_listener_whose_connection_goes_silent_checks_it_and_connects_again() {
     let db = TestPg::new().await;
     migrate(&db.pool).await.unwrap();
-    let relay = trellis_outbox_tests::cut::CutRelay::start(format!(
-        "{}:{}",
-        db.options.get_host(),
-        db.options.get_port()
-    ))
-    .await;
+    let (relay, through) = trellis_outbox_tests::cut::CutRelay::before_postgres(&db.options).await;
     // Two connections: the stalled one stays taken (its `UNLISTEN` never gets an answer).
     let listen_pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(2)
         .acquire_timeout(Duration::from_secs(2))
-        .connect_with(db.options.clone().host("127.0.0.1").port(relay.port))
+        .connect_with(through)
         .await
         .unwrap();
     let errors = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
