@@ -514,13 +514,7 @@ async fn recreate_durable(stream: &TestStream, name: &str, max_batch: i64) {
 /// Shuts `consumer` down and checks that events `evt-0` … `evt-{events - 1}` were each
 /// applied once, and nothing else; then ends the harness.
 async fn each_applied_once(h: Harness, consumer: ConsumerHandle, events: u64) {
-    for n in 0..events {
-        assert_eq!(
-            h.effects(&format!("evt-{n}")).await,
-            1,
-            "evt-{n} applied once"
-        );
-    }
+    applied_once(&h, events).await;
     let report = consumer.shutdown().await.unwrap();
     assert_eq!(report.applied, events);
     h.end().await;
@@ -1332,6 +1326,89 @@ async fn shutdown_finishes_the_messages_in_hand() {
     assert_eq!(h.effects("evt-5").await, 1);
     h.settled().await;
     h.end().await;
+}
+
+/// A handler that never returns (a call without a timeout): `shutdown` would wait for it
+/// forever; `shutdown_timeout` aborts it after the timeout. Its transaction is rolled back,
+/// the report counts the message abandoned, and the server's redelivery applies it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_timeout_abandons_a_hung_handler_to_redelivery() {
+    let h = Harness::new().await;
+    let deliveries = h.deliveries.clone();
+    let hung = Consumer::builder(
+        h.stream.context.clone(),
+        h.db.pool.clone(),
+        handler_fn(
+            move |tx: &mut Transaction<'static, Sqlite>, d: Delivered<Shipped>| {
+                let deliveries = deliveries.clone();
+                Box::pin(async move {
+                    deliveries
+                        .lock()
+                        .unwrap()
+                        .entry(d.id.clone())
+                        .or_default()
+                        .push(d.delivery);
+                    sqlx::query("INSERT INTO effects (event_id) VALUES (?)")
+                        .bind(&d.id)
+                        .execute(&mut **tx)
+                        .await?;
+                    std::future::pending::<()>().await;
+                    Ok(())
+                })
+            },
+        ),
+    )
+    .bind(&h.stream.name, &h.name)
+    .start()
+    .await
+    .unwrap();
+    publish_shipped(&h, 0, 1).await;
+    eventually(Duration::from_secs(10), "the handler to start", || async {
+        h.deliveries.lock().unwrap().len() == 1
+    })
+    .await;
+
+    let asked = Instant::now();
+    let report = hung
+        .shutdown_timeout(Duration::from_millis(300))
+        .await
+        .unwrap();
+    assert!(
+        asked.elapsed() < Duration::from_secs(3),
+        "shutdown_timeout returned after {:?}",
+        asked.elapsed()
+    );
+    assert_eq!(report.abandoned, 1, "{report:?}");
+    assert_eq!(report.applied, 0, "{report:?}");
+    assert_eq!(
+        h.effects("evt-0").await,
+        0,
+        "the hung handler's insert was rolled back"
+    );
+
+    // The server delivers it again after the ack wait (2 s); a working consumer applies
+    // it once.
+    let consumer = h.start(None, |_, _| None).await;
+    h.settled().await;
+    assert_eq!(h.deliveries.lock().unwrap()["evt-0"], [1, 2]);
+    let report = consumer
+        .shutdown_timeout(Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!((report.applied, report.abandoned), (1, 0), "{report:?}");
+    applied_once(&h, 1).await;
+    h.end().await;
+}
+
+/// Checks that events `evt-0` … `evt-{events - 1}` were each applied once.
+async fn applied_once(h: &Harness, events: u64) {
+    for n in 0..events {
+        assert_eq!(
+            h.effects(&format!("evt-{n}")).await,
+            1,
+            "evt-{n} applied once"
+        );
+    }
 }
 
 #[tokio::test]

@@ -340,6 +340,7 @@ where
         };
         let stats = Arc::new(Stats::default());
         let cancel = CancellationToken::new();
+        let client = self.jetstream.client();
         let shared = Arc::new(Shared {
             pool: self.pool,
             handler: self.handler,
@@ -364,7 +365,7 @@ where
             self.options.concurrency,
             cancel.clone(),
         ));
-        Ok(ConsumerHandle::new(cancel, task, stats))
+        Ok(ConsumerHandle::new(cancel, task, stats, client))
     }
 
     async fn consumer(&self, target: &Target) -> Result<PullConsumer, ConsumerError> {

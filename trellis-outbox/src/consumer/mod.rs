@@ -15,6 +15,7 @@ mod handler;
 mod run;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -45,6 +46,10 @@ pub struct ConsumerReport {
     /// Messages held, in progress, until the database answered again, and then tried again
     /// without a redelivery ([`FailureAction::WaitForDatabase`](crate::FailureAction::WaitForDatabase)).
     pub database_waits: u64,
+    /// Messages still being applied when [`ConsumerHandle::shutdown_timeout`] gave up on
+    /// them: their transactions were rolled back, and the server delivers them again after
+    /// their ack wait.
+    pub abandoned: u64,
 }
 
 /// A running [`Consumer`]. [`shutdown`](Self::shutdown) stops pulling and waits for the
@@ -54,18 +59,26 @@ pub struct ConsumerHandle {
     cancel: CancellationToken,
     task: Option<JoinHandle<Result<(), ConsumerError>>>,
     stats: Arc<run::Stats>,
+    /// The consumer's NATS connection, flushed after an aborted shutdown.
+    client: async_nats::Client,
 }
+
+/// How long [`ConsumerHandle::shutdown_timeout`] waits, after aborting, for the message tasks
+/// to be dropped and for the last acknowledgements to be sent.
+const ABORT_GRACE: Duration = Duration::from_secs(1);
 
 impl ConsumerHandle {
     fn new(
         cancel: CancellationToken,
         task: JoinHandle<Result<(), ConsumerError>>,
         stats: Arc<run::Stats>,
+        client: async_nats::Client,
     ) -> Self {
         Self {
             cancel,
             task: Some(task),
             stats,
+            client,
         }
     }
 
@@ -78,18 +91,86 @@ impl ConsumerHandle {
     /// roll back and nak), and returns the final counters. Messages pulled but not started
     /// are redelivered by the server after their ack wait.
     ///
+    /// This waits for every handler in hand, however long it runs; to bound the wait, use
+    /// [`shutdown_timeout`](Self::shutdown_timeout).
+    ///
     /// # Errors
     ///
     /// [`ConsumerError::Pull`] if the consumer had stopped because pulling could not start.
     pub async fn shutdown(mut self) -> Result<ConsumerReport, ConsumerError> {
         self.cancel.cancel();
         if let Some(task) = self.task.take() {
-            match task.await {
-                Ok(result) => result?,
-                Err(err) => tracing::error!(error = %err, "the consumer task ended abnormally"),
-            }
+            log_join(task.await)?;
         }
         Ok(self.stats.report())
+    }
+
+    /// Like [`shutdown`](Self::shutdown), but gives the messages in hand at most `timeout`
+    /// to finish. Past it, their tasks are aborted: each handler's transaction is dropped
+    /// and so rolled back, nothing is acknowledged for them, and the server delivers them
+    /// again after their ack wait (the inbox absorbs the redelivery of one whose commit had
+    /// gone through). [`ConsumerReport::abandoned`] counts them. Use it where the process has
+    /// a deadline to stop, such as a container's grace period after `SIGTERM`.
+    ///
+    /// # Errors
+    ///
+    /// As [`shutdown`](Self::shutdown).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn run(consumer: trellis_outbox::ConsumerHandle) -> Result<(), trellis_outbox::ConsumerError> {
+    /// use std::time::Duration;
+    ///
+    /// let report = consumer.shutdown_timeout(Duration::from_secs(20)).await?;
+    /// if report.abandoned > 0 {
+    ///     eprintln!("{} messages left for redelivery", report.abandoned);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn shutdown_timeout(
+        mut self,
+        timeout: Duration,
+    ) -> Result<ConsumerReport, ConsumerError> {
+        self.cancel.cancel();
+        let Some(mut task) = self.task.take() else {
+            return Ok(self.stats.report());
+        };
+        if let Ok(joined) = tokio::time::timeout(timeout, &mut task).await {
+            log_join(joined)?;
+            return Ok(self.stats.report());
+        }
+        let in_hand = self.stats.in_hand();
+        task.abort();
+        // Dropping the task drops its message tasks' set, which aborts them; each is dropped
+        // at its next await. Give them a moment, then send what the finished ones queued.
+        let _ = task.await;
+        let grace = tokio::time::Instant::now() + ABORT_GRACE;
+        while self.stats.in_hand() > 0 && tokio::time::Instant::now() < grace {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        if let Err(err) = tokio::time::timeout(ABORT_GRACE, self.client.flush()).await {
+            tracing::warn!(error = %err, "flushing the last acknowledgements timed out");
+        }
+        tracing::warn!(
+            ?timeout,
+            in_hand,
+            "the consumer did not stop in time; the messages in hand were abandoned to redelivery"
+        );
+        Ok(self.stats.report())
+    }
+}
+
+/// The run task's result, or its panic logged.
+fn log_join(
+    joined: Result<Result<(), ConsumerError>, tokio::task::JoinError>,
+) -> Result<(), ConsumerError> {
+    match joined {
+        Ok(result) => result,
+        Err(err) => {
+            tracing::error!(error = %err, "the consumer task ended abnormally");
+            Ok(())
+        }
     }
 }
 

@@ -71,9 +71,17 @@ pub(crate) struct Stats {
     dead_lettered: AtomicU64,
     terminated: AtomicU64,
     database_waits: AtomicU64,
+    abandoned: AtomicU64,
+    /// Messages whose task has started and not yet ended.
+    in_hand: AtomicU64,
 }
 
 impl Stats {
+    /// How many messages are being applied now.
+    pub(crate) fn in_hand(&self) -> u64 {
+        self.in_hand.load(Ordering::Acquire)
+    }
+
     pub(crate) fn report(&self) -> ConsumerReport {
         ConsumerReport {
             applied: self.applied.load(Ordering::Relaxed),
@@ -82,7 +90,40 @@ impl Stats {
             dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
             terminated: self.terminated.load(Ordering::Relaxed),
             database_waits: self.database_waits.load(Ordering::Relaxed),
+            abandoned: self.abandoned.load(Ordering::Relaxed),
         }
+    }
+}
+
+/// Counts one message task in hand while it lives; dropped before it finished (the task
+/// was aborted by [`ConsumerHandle::shutdown_timeout`](super::ConsumerHandle::shutdown_timeout)),
+/// it counts the message abandoned.
+struct InHand {
+    stats: Arc<Stats>,
+    finished: bool,
+}
+
+impl InHand {
+    fn new(stats: Arc<Stats>) -> Self {
+        stats.in_hand.fetch_add(1, Ordering::AcqRel);
+        Self {
+            stats,
+            finished: false,
+        }
+    }
+
+    /// The message was settled.
+    fn finish(mut self) {
+        self.finished = true;
+    }
+}
+
+impl Drop for InHand {
+    fn drop(&mut self) {
+        if !self.finished {
+            bump(&self.stats.abandoned);
+        }
+        self.stats.in_hand.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -223,8 +264,10 @@ where
         match next {
             Some(Ok(message)) => {
                 let shared = shared.clone();
+                let in_hand = InHand::new(shared.stats.clone());
                 tasks.spawn(async move {
                     process(&shared, message).await;
+                    in_hand.finish();
                     drop(permit);
                 });
             }
