@@ -248,6 +248,42 @@ async fn a_listening_dispatcher_wakes_on_commits_it_was_not_told_about() {
     db.close().await;
 }
 
+/// The listener's connection is its own: a dispatcher whose repository and listener share a
+/// pool of one connection still claims. (The listener used to hold that one connection for
+/// good, and every claim timed out waiting for it.)
+#[tokio::test]
+async fn the_listener_takes_no_connection_from_the_pool() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_with(db.options.clone())
+        .await
+        .unwrap();
+    let publisher = RecordingPublisher::new();
+    let dispatcher =
+        OutboxDispatcher::builder(PgOutboxRepository::new(pool.clone()), publisher.clone())
+            .idle_interval(Duration::from_secs(3600)) // no polling: only NOTIFY can wake it
+            .listen_postgres(&pool, &OutboxTables::default())
+            .start()
+            .unwrap();
+    until_listening(&db, "the dispatcher is not listening").await;
+
+    let mut tx = db.pool.begin().await.unwrap();
+    let row = tx.enqueue(&record()).await.unwrap();
+    tx.commit().await.unwrap();
+    assert!(
+        publisher.wait_for_attempts(1, Duration::from_secs(5)).await,
+        "the dispatcher did not publish the commit"
+    );
+    assert_eq!(publisher.successes(), [row.id]);
+
+    dispatcher.shutdown().await;
+    pool.close().await;
+    db.close().await;
+}
+
 #[tokio::test]
 async fn a_listener_that_cannot_connect_reports_every_attempt_and_the_dispatcher_still_works() {
     let db = TestPg::new().await;
@@ -396,9 +432,10 @@ async fn a_listener_whose_connection_goes_silent_checks_it_and_connects_again() 
     let db = TestPg::new().await;
     migrate(&db.pool).await.unwrap();
     let (relay, through) = trellis_outbox_tests::cut::CutRelay::before_postgres(&db.options).await;
-    // Two connections: the stalled one stays taken (its `UNLISTEN` never gets an answer).
+    // One connection, and the dispatcher's listener takes none of it: the stalled
+    // connection, whose `UNLISTEN` never gets an answer, is not the pool's either.
     let listen_pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(2)
+        .max_connections(1)
         .acquire_timeout(Duration::from_secs(2))
         .connect_with(through)
         .await

@@ -146,7 +146,7 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
     }
 
     /// Also wakes the dispatcher when **any process** commits an enqueue on this Postgres
-    /// outbox: a [`PgWakeups`](crate::PgWakeups) listener on `pool` (one connection) runs
+    /// outbox: a [`PgWakeups`](crate::PgWakeups) listener runs
     /// beside the dispatcher task and calls [`notify`](OutboxDispatcher::notify) for every
     /// notification, re-`LISTEN`s after a dropped connection and then notifies once to
     /// re-scan. It stops with the dispatcher. A lost connection sqlx could not restore and
@@ -156,7 +156,8 @@ impl<R: OutboxRepository, P: Publisher> DispatcherBuilder<R, P> {
     /// stays the safety net meanwhile. After an idle interval without a notification (at
     /// least 1 s, at most 30 s) the listener checks its connection with `SELECT 1`; one that
     /// does not answer within 5 s (it died without a reset) is reported the same way and
-    /// replaced.
+    /// replaced. The listener opens its own connection with `pool`'s connect options (one
+    /// more than the pool's `max_connections`), so it never takes one from the pool.
     ///
     /// `tables` must be the outbox's tables (the channel is derived from the outbox table).
     ///

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgPool;
-use sqlx::postgres::PgListener;
+use sqlx::postgres::{PgListener, PgPoolOptions};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -48,7 +48,10 @@ const UNLISTEN_TIMEOUT: Duration = Duration::from_secs(1);
 /// on. So after 30 s without a notification the listener sends `SELECT 1` on its connection;
 /// without an answer within 5 s it drops the connection and connects again (then wakes).
 ///
-/// The listener holds one connection of `pool` while it runs.
+/// The listener opens a connection of its own with `pool`'s connect options and holds it
+/// while it runs; it takes no connection from `pool` (and so counts outside its
+/// `max_connections`). Each reconnect opens a fresh one: a connection that went silent is
+/// dropped without waiting for TCP to give up on it.
 ///
 /// # Examples
 ///
@@ -164,7 +167,7 @@ impl Drop for PgWakeups {
 
 async fn connect(pool: &PgPool, channel: &str) -> Result<PgListener> {
     let listen_error = Error::repository("listen");
-    let mut listener = PgListener::connect_with(pool)
+    let mut listener = PgListener::connect_with(&own_connection(pool))
         .await
         .map_err(&listen_error)?;
     // A lost connection ends `try_recv` at once (`Ok(None)`) instead of reconnecting inside
@@ -174,6 +177,23 @@ async fn connect(pool: &PgPool, channel: &str) -> Result<PgListener> {
     listener.eager_reconnect(false);
     listener.listen(channel).await.map_err(listen_error)?;
     Ok(listener)
+}
+
+/// A pool of one connection, opened on demand with `pool`'s connect options, for one
+/// listener. `PgListener` keeps its connection for good, so on `pool` it would take one of
+/// the application's connections away. And when the listener drops a connection (lost, or
+/// silent to the health check), sqlx sends `UNLISTEN` on it from a background task before
+/// returning it: on a silent connection that task waits until TCP gives up, minutes later,
+/// and the connection would stay taken from `pool` all that time. A pool per connect keeps
+/// both out of the application's way.
+fn own_connection(pool: &PgPool) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(1)
+        .min_connections(0)
+        .acquire_timeout(pool.options().get_acquire_timeout())
+        .max_lifetime(None)
+        .idle_timeout(None)
+        .connect_lazy_with((*pool.connect_options()).clone())
 }
 
 /// What the listener task works with.
