@@ -635,3 +635,106 @@ async fn pg_migrate_gives_up_after_its_lock_timeout() {
     );
     db.close().await;
 }
+
+/// `dead-letters` lists a consumer's dead-letter copies (NATS only, no database) and, with
+/// `--replay`, publishes each again to its subject with its own `Nats-Msg-Id` and deletes the
+/// copy; a copy without an id is left, with the reason.
+#[tokio::test]
+async fn dead_letters_are_listed_and_replayed() {
+    use async_nats::HeaderMap;
+    use trellis_outbox::{
+        DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECT_PREFIX, dead_letter_headers as h,
+    };
+    use trellis_outbox_tests::nats::{TestStream, jetstream};
+    use trellis_outbox_tests::nats_url;
+
+    let js = jetstream().await;
+    let target = TestStream::events(&js).await;
+    let dlq = js
+        .get_or_create_stream(async_nats::jetstream::stream::Config {
+            name: DEAD_LETTER_STREAM.into(),
+            subjects: vec![format!("{DEAD_LETTER_SUBJECT_PREFIX}.>")],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let consumer = format!("cli{}", ulid::Ulid::generate().to_string().to_lowercase());
+    let copy = |id: Option<&str>| {
+        let mut headers = HeaderMap::new();
+        headers.insert("Trellis-Event-Time", "2026-12-06T10:00:00.000Z");
+        headers.insert(h::KIND, if id.is_some() { "Handler" } else { "MissingId" });
+        headers.insert(h::ERROR, "no such table: orders");
+        headers.insert(h::SUBJECT, target.subject("orders.placed").as_str());
+        headers.insert(h::DELIVERIES, "5");
+        if let Some(id) = id {
+            headers.insert(h::MESSAGE_ID, id);
+        }
+        headers
+    };
+    let subject = format!("{DEAD_LETTER_SUBJECT_PREFIX}.{consumer}");
+    for (id, payload) in [(Some("evt-7"), "{\"n\":7}"), (None, "{\"n\":8}")] {
+        js.publish_with_headers(subject.clone(), copy(id), payload.into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let nats = nats_url();
+    let cli = |args: &'static [&'static str]| {
+        let mut argv = vec![
+            "--nats-url".to_owned(),
+            nats.clone(),
+            "dead-letters".to_owned(),
+        ];
+        argv.extend(["--consumer".to_owned(), consumer.clone()]);
+        argv.extend(args.iter().map(|a| (*a).to_owned()));
+        async move {
+            tokio::task::spawn_blocking(move || {
+                run(&argv.iter().map(String::as_str).collect::<Vec<_>>())
+            })
+            .await
+            .unwrap()
+        }
+    };
+
+    let listed: Value = serde_json::from_str(&cli(&["--json"]).await.unwrap()).unwrap();
+    let listed = listed.as_array().unwrap();
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    assert_eq!(listed[0]["messageId"], "evt-7");
+    assert_eq!(listed[0]["kind"], "Handler");
+    assert_eq!(listed[0]["deliveries"], 5);
+    assert_eq!(listed[0]["error"], "no such table: orders");
+    assert_eq!(listed[0]["payload"], "{\"n\":7}");
+    assert_eq!(listed[1]["messageId"], Value::Null);
+    let text = cli(&["--limit", "1"]).await.unwrap();
+    assert_eq!(text.lines().count(), 1, "{text}");
+    assert!(text.contains("evt-7 kind=Handler deliveries=5"), "{text}");
+
+    let replayed = cli(&["--replay"]).await.unwrap();
+    assert!(replayed.starts_with("replayed 1\n"), "{replayed}");
+    assert!(
+        replayed.contains("(no id): it has no `Trellis-Dlq-Msg-Id` header"),
+        "{replayed}"
+    );
+    // The message is back on its subject with its id and headers, without the copy's.
+    let stream = js.get_stream(&target.name).await.unwrap();
+    let back = stream
+        .get_last_raw_message_by_subject(&target.subject("orders.placed"))
+        .await
+        .unwrap();
+    assert_eq!(back.payload.as_ref(), b"{\"n\":7}");
+    assert_eq!(back.headers.get("Nats-Msg-Id").unwrap().as_str(), "evt-7");
+    assert_eq!(
+        back.headers.get("Trellis-Event-Time").unwrap().as_str(),
+        "2026-12-06T10:00:00.000Z"
+    );
+    assert!(back.headers.get(h::ERROR).is_none(), "{:?}", back.headers);
+    assert_eq!(target.count().await, 1);
+    // Only the copy without an id is left.
+    let left: Value = serde_json::from_str(&cli(&["--json"]).await.unwrap()).unwrap();
+    assert_eq!(left.as_array().unwrap().len(), 1, "{left:?}");
+    assert_eq!(left[0]["kind"], "MissingId");
+
+    let _ = dlq.purge().filter(subject).await;
+    target.delete().await;
+}

@@ -399,14 +399,17 @@ struct Harness {
 
 impl Harness {
     async fn new() -> Self {
+        Self::on(TestStream::events(&jetstream().await).await).await
+    }
+
+    /// A harness whose consumer reads `stream`.
+    async fn on(stream: TestStream) -> Self {
         let db = TestSqlite::new().await;
         migrate(&db.pool).await.unwrap();
         sqlx::query("CREATE TABLE effects (event_id TEXT NOT NULL)")
             .execute(&db.pool)
             .await
             .unwrap();
-        let js = jetstream().await;
-        let stream = TestStream::events(&js).await;
         let name = consumer_name();
         durable(&stream, &name, Duration::from_secs(2), 10).await;
         Self {
@@ -1409,6 +1412,133 @@ async fn applied_once(h: &Harness, events: u64) {
             "evt-{n} applied once"
         );
     }
+}
+
+/// Whether the handler of `dead_letters_are_listed_and_replayed_once_the_cause_is_fixed` still
+/// has its bug.
+static BROKEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Dead letters are listed with what the copy records, and replayed once the handler is
+/// fixed: the message goes back to its subject with its own id, the consumer applies it once,
+/// and the copy is deleted. A copy replayed while the stream still holds its id in the
+/// duplicate window, and a copy without an id, are left in place with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_listed_and_replayed_once_the_cause_is_fixed() {
+    let js = jetstream().await;
+    let window = Duration::from_secs(6);
+    let h = Harness::on(
+        TestStream::create(&js, |token| Config {
+            subjects: vec![format!("{token}.>")],
+            duplicate_window: window,
+            ..Config::default()
+        })
+        .await,
+    )
+    .await;
+    let consumer = h
+        .start(None, |id, _| {
+            (id == "evt-1" && BROKEN.load(std::sync::atomic::Ordering::SeqCst))
+                .then(|| HandlerError::permanent("the handler has a bug"))
+        })
+        .await;
+    let published = Instant::now();
+    publish_shipped(&h, 0, 2).await;
+    publish(&js, h.stream.subject("shipped.o9"), None, shipped(9)).await;
+    h.settled().await;
+
+    let copies = trellis_outbox::dead_letters(&js, &h.name, 10)
+        .await
+        .unwrap();
+    assert_eq!(copies.len(), 2, "{copies:?}");
+    let by_kind = |kind: &str| {
+        copies
+            .iter()
+            .find(|c| c.kind.as_deref() == Some(kind))
+            .unwrap_or_else(|| panic!("no {kind} copy in {copies:?}"))
+    };
+    let (bug, no_id) = (by_kind("Handler"), by_kind("MissingId"));
+    assert_eq!(bug.message_id.as_deref(), Some("evt-1"));
+    assert_eq!(bug.kind.as_deref(), Some("Handler"));
+    assert_eq!(bug.subject, Some(h.stream.subject("shipped.o1")));
+    assert_eq!(bug.deliveries, Some(1));
+    assert!(
+        bug.error
+            .as_deref()
+            .unwrap()
+            .contains("the handler has a bug"),
+        "{bug:?}"
+    );
+    assert_eq!(no_id.message_id, None);
+    assert!(
+        copies.windows(2).all(|w| w[0].sequence < w[1].sequence),
+        "oldest first: {copies:?}"
+    );
+    assert_eq!(
+        trellis_outbox::dead_letters(&js, &h.name, 1)
+            .await
+            .unwrap()
+            .len(),
+        1,
+        "the limit"
+    );
+
+    // Within the stream's duplicate window the publish is dropped: nothing changes.
+    assert!(published.elapsed() < window, "the test ran too slowly");
+    let early = trellis_outbox::replay_dead_letters(&js, &h.name, 10)
+        .await
+        .unwrap();
+    assert_eq!(early.replayed, 0, "{early:?}");
+    assert_eq!(early.left.len(), 2, "{early:?}");
+    let reason = |sequence: u64| {
+        let left = early.left.iter().find(|l| l.sequence == sequence).unwrap();
+        left.reason.clone()
+    };
+    assert!(
+        reason(bug.sequence).contains("duplicate window"),
+        "{early:?}"
+    );
+    assert!(
+        reason(no_id.sequence).contains("no `Trellis-Dlq-Msg-Id`"),
+        "{early:?}"
+    );
+
+    // The bug is fixed and the window has passed.
+    BROKEN.store(false, std::sync::atomic::Ordering::SeqCst);
+    tokio::time::sleep(window.saturating_sub(published.elapsed()) + Duration::from_millis(200))
+        .await;
+    let report = trellis_outbox::replay_dead_letters(&js, &h.name, 10)
+        .await
+        .unwrap();
+    assert_eq!(report.replayed, 1, "{report:?}");
+    assert_eq!(report.left.len(), 1, "{report:?}");
+    assert_eq!(report.left[0].sequence, no_id.sequence);
+    h.settled().await;
+    eventually(
+        Duration::from_secs(10),
+        "the replayed message to be applied",
+        || async { h.effects("evt-1").await == 1 },
+    )
+    .await;
+    assert_eq!(
+        h.deliveries.lock().unwrap()["evt-1"],
+        [1, 1],
+        "a new message each time"
+    );
+    let left = trellis_outbox::dead_letters(&js, &h.name, 10)
+        .await
+        .unwrap();
+    assert_eq!(
+        left.iter().map(|c| c.sequence).collect::<Vec<_>>(),
+        [no_id.sequence]
+    );
+    assert!(matches!(
+        trellis_outbox::replay_dead_letters(&js, "a.b", 10).await,
+        Err(ConsumerError::InvalidOptions {
+            option: "consumer",
+            ..
+        })
+    ));
+    each_applied_once(h, consumer, 2).await;
 }
 
 #[tokio::test]

@@ -2,8 +2,10 @@
 //! and see and repair an outbox without writing SQL.
 //!
 //! `mod.rs` holds the arguments and `run`; `ops.rs` the database commands (migrate, status,
-//! list, inspect, retry, purge); `relay.rs` the relay.
+//! list, inspect, retry, purge); `relay.rs` the relay; `dead_letters.rs` a consumer's dead
+//! letters (NATS only).
 
+mod dead_letters;
 mod ops;
 mod relay;
 
@@ -16,7 +18,7 @@ use crate::migrate::{SqlOutboxMigration, migrations};
 use crate::tables::{Dialect, OutboxTables};
 
 /// See and repair a trellis-outbox outbox: migrate, status, relay, list, inspect, retry,
-/// purge; or print the migrations as SQL.
+/// purge; list or replay a consumer's dead letters; or print the migrations as SQL.
 ///
 /// Parsed by clap; [`run`] parses and runs it. A program that embeds the tool can parse the
 /// arguments first, to reject bad ones before it opens anything:
@@ -44,7 +46,7 @@ struct Global {
     /// The database: `postgres://…` or `sqlite:<path>`.
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     database_url: Option<String>,
-    /// The NATS server the relay publishes to.
+    /// The NATS server (relay, dead-letters).
     #[arg(
         long,
         env = "NATS_URL",
@@ -151,6 +153,26 @@ enum Command {
         #[arg(long, conflicts_with = "ids")]
         dry_run: bool,
     },
+    /// List a JetStream consumer's dead letters, oldest first, or publish them again with
+    /// --replay (each to its subject, with its own Nats-Msg-Id; a replayed copy is deleted).
+    /// Needs NATS only, no database.
+    #[command(
+        after_help = "Examples:\n  trellis-outbox dead-letters --consumer billing\n  trellis-outbox dead-letters --consumer billing --replay --limit 100\n\nA replay reaches every consumer of the subject: trellis-outbox consumers skip what\ntheir inbox already holds; a consumer without an inbox would apply it again."
+    )]
+    DeadLetters {
+        /// The durable consumer's name.
+        #[arg(long)]
+        consumer: String,
+        /// At most this many copies.
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
+        limit: u64,
+        /// Publish them again instead of listing them.
+        #[arg(long)]
+        replay: bool,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Delete old dispatched rows and/or old inbox rows (dead rows are never deleted).
     #[command(
         after_help = "Example: trellis-outbox purge --dispatched-older-than 7d --inbox-older-than 30d"
@@ -244,7 +266,24 @@ where
                 .worker_threads(2)
                 .enable_all()
                 .build()?;
-            runtime.block_on(ops::execute(&cli.global, &tables, command, out))
+            match command {
+                Command::DeadLetters {
+                    consumer,
+                    limit,
+                    replay,
+                    json,
+                } => {
+                    let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+                    let listing = dead_letters::Listing {
+                        consumer,
+                        limit,
+                        replay,
+                        json,
+                    };
+                    runtime.block_on(dead_letters::run(&cli.global, listing, out))
+                }
+                command => runtime.block_on(ops::execute(&cli.global, &tables, command, out)),
+            }
         }
     }
 }

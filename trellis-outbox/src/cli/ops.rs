@@ -337,8 +337,8 @@ async fn on<DB: OutboxDatabase>(
                 purged(out, deleted, "inbox", age)?;
             }
         }
-        // Both are handled before a database is opened.
-        Command::Sql { .. } | Command::Relay { .. } => {
+        // Handled before a database is opened.
+        Command::Sql { .. } | Command::Relay { .. } | Command::DeadLetters { .. } => {
             return Err("this command does not run on a database".into());
         }
     }

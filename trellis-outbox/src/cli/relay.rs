@@ -52,6 +52,24 @@ impl<P: Publisher> Publisher for Counted<P> {
 /// period near `u64::MAX` seconds is not handed to it.
 const MAX_PROGRESS_EVERY: Duration = Duration::from_secs(86_400);
 
+/// Connects to `global`'s NATS server, failing fast (5 s) when it is not there at all, then
+/// reconnecting for as long as the command runs.
+pub(super) async fn connect_nats(
+    global: &Global,
+    name: &str,
+) -> Result<async_nats::Client, CliError> {
+    let nats_url = redact(&global.nats_url);
+    let nats = async_nats::ConnectOptions::new()
+        .connection_timeout(Duration::from_secs(5))
+        .max_reconnects(None)
+        .name(name);
+    let client = tokio::time::timeout(Duration::from_secs(5), nats.connect(&global.nats_url))
+        .await
+        .map_err(|_| format!("cannot reach NATS at {nats_url}: no answer within 5 s"))?
+        .map_err(|e| format!("cannot reach NATS at {nats_url}: {e}"))?;
+    Ok(client)
+}
+
 pub(super) async fn relay<DB: OutboxDatabase>(
     pool: Pool<DB>,
     global: &Global,
@@ -60,16 +78,7 @@ pub(super) async fn relay<DB: OutboxDatabase>(
     out: &mut dyn Write,
     configure: impl FnOnce(Builder<DB>) -> Builder<DB>,
 ) -> Result<(), CliError> {
-    let nats_url = redact(&global.nats_url);
-    let nats = async_nats::ConnectOptions::new()
-        .connection_timeout(Duration::from_secs(5))
-        .max_reconnects(None)
-        .name("trellis-outbox relay");
-    // Fail fast when the server is not there at all, then keep reconnecting while running.
-    let client = tokio::time::timeout(Duration::from_secs(5), nats.connect(&global.nats_url))
-        .await
-        .map_err(|_| format!("cannot reach NATS at {nats_url}: no answer within 5 s"))?
-        .map_err(|e| format!("cannot reach NATS at {nats_url}: {e}"))?;
+    let client = connect_nats(global, "trellis-outbox relay").await?;
     let mut repo = SqlOutboxRepository::with_tables(pool.clone(), tables);
     if relay.beside_upstream {
         repo = repo.beside_upstream();

@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use crate::dispatch::BoxError;
 
-/// Why a [`Consumer`](super::Consumer) could not start.
+/// Why a [`Consumer`](super::Consumer) could not start, or a dead letter could not be read
+/// or replayed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConsumerError {
@@ -56,14 +57,26 @@ pub enum ConsumerError {
         #[source]
         source: BoxError,
     },
+    /// A dead letter could not be published again
+    /// ([`replay_dead_letters`](crate::replay_dead_letters)); its copy stays in place.
+    #[error("dead letter {sequence} could not be published again to `{subject}`")]
+    Replay {
+        /// The copy's sequence in the dead-letter stream.
+        sequence: u64,
+        /// The subject it was published to.
+        subject: String,
+        /// The client's or server's error.
+        #[source]
+        source: BoxError,
+    },
 }
 
 impl ConsumerError {
-    /// Whether starting again later may succeed (the server was unreachable or busy).
+    /// Whether trying again later may succeed (the server was unreachable or busy).
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            Self::Stream { .. } | Self::Consumer { .. } | Self::Pull { .. }
+            Self::Stream { .. } | Self::Consumer { .. } | Self::Pull { .. } | Self::Replay { .. }
         )
     }
 }

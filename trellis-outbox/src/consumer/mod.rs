@@ -9,6 +9,7 @@
 //! `builder.rs` binds or creates the JetStream consumer; `error.rs` holds what is reported.
 
 mod builder;
+mod dead_letters;
 mod delivered;
 mod error;
 mod handler;
@@ -24,6 +25,7 @@ pub use builder::{
     Consumer, ConsumerBuilder, DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECT_PREFIX, DEFAULT_ACK_WAIT,
     DEFAULT_CONSUMER_CONCURRENCY, DEFAULT_MAX_DELIVERIES,
 };
+pub use dead_letters::{DeadLetter, NotReplayed, ReplayReport, dead_letters, replay_dead_letters};
 pub use delivered::Delivered;
 pub use error::{ConsumeFailure, ConsumerError, FailureAction, FailureKind};
 pub use handler::{Handler, HandlerError, HandlerFn, HandlerFuture, handler_fn};
