@@ -915,3 +915,52 @@ async fn sqlite_a_busy_write_lock_is_reported_as_the_begin_step() {
     }
     assert!(err.is_retryable(), "{err}");
 }
+
+/// The README's recipe for version 8 on a large table: the index built beforehand with
+/// `CREATE INDEX CONCURRENTLY` (the README's statement, copied here) is the one the migration
+/// would build, and the migration then applies version 8 without building another.
+#[tokio::test]
+async fn pg_version_8_accepts_its_index_built_concurrently_beforehand() {
+    const README: &str = "CREATE INDEX CONCURRENTLY IF NOT EXISTS trellis_outbox_ord_open ON trellis_outbox (ordering_key) \
+         WHERE ordering_key IS NOT NULL AND state IN ('pending', 'failed', 'claimed')";
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let definition = || async {
+        sqlx::query_scalar::<_, String>(
+            "SELECT pg_get_indexdef(indexrelid) FROM pg_index \
+             WHERE indrelid = 'trellis_outbox'::regclass AND indisvalid \
+             AND indexrelid::regclass::text = 'trellis_outbox_ord_open'",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+    };
+    let migrated = definition().await;
+    assert_eq!(migrated.len(), 1, "{migrated:?}");
+
+    // A database at version 7, whose operator builds the index by hand.
+    sqlx::raw_sql("DROP INDEX trellis_outbox_ord_open; DELETE FROM trellis_outbox_migrations WHERE version = 8")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::raw_sql(README).execute(&db.pool).await.unwrap();
+    assert_eq!(
+        definition().await,
+        migrated,
+        "the README's index is the migration's"
+    );
+    let report = migrate(&db.pool).await.unwrap();
+    assert_eq!(
+        report.applied,
+        ["trellis_sql_outbox_inbox_postgres_v8"],
+        "{report:?}"
+    );
+    let indexes: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_indexes WHERE tablename = 'trellis_outbox' AND indexname LIKE '%ord_open%'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(indexes, 1);
+    db.close().await;
+}
