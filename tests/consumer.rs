@@ -438,40 +438,50 @@ impl Harness {
         max_deliveries: Option<u32>,
         fail: fn(&str, u64) -> Option<HandlerError>,
     ) -> ConsumerHandle {
-        let deliveries = self.deliveries.clone();
         let failures = self.failures.clone();
-        let mut builder = Consumer::builder(
-            self.stream.context.clone(),
-            pool,
-            handler_fn(
-                move |tx: &mut Transaction<'static, Sqlite>, d: Delivered<Shipped>| {
-                    let deliveries = deliveries.clone();
-                    Box::pin(async move {
-                        deliveries
-                            .lock()
-                            .unwrap()
-                            .entry(d.id.clone())
-                            .or_default()
-                            .push(d.delivery);
-                        sqlx::query("INSERT INTO effects (event_id) VALUES (?)")
-                            .bind(&d.id)
-                            .execute(&mut **tx)
-                            .await?;
-                        match fail(&d.id, d.delivery) {
-                            Some(err) => Err(err),
-                            None => Ok(()),
-                        }
-                    })
-                },
-            ),
-        )
-        .bind(&self.stream.name, &self.name)
-        .retry_policy(quick_retry())
-        .on_error(move |f| failures.lock().unwrap().push(f.clone()));
+        let mut builder =
+            Consumer::builder(self.stream.context.clone(), pool, self.handler(fail, false))
+                .bind(&self.stream.name, &self.name)
+                .retry_policy(quick_retry())
+                .on_error(move |f| failures.lock().unwrap().push(f.clone()));
         if let Some(max) = max_deliveries {
             builder = builder.max_deliveries(max);
         }
         builder.start().await.unwrap()
+    }
+
+    /// The harness' handler: records the delivery, inserts the effect, then never returns if
+    /// `hang`, else fails with `fail(id, delivery)` when it returns one.
+    fn handler(
+        &self,
+        fail: fn(&str, u64) -> Option<HandlerError>,
+        hang: bool,
+    ) -> trellis_outbox::HandlerFn<Sqlite, Shipped> {
+        let deliveries = self.deliveries.clone();
+        handler_fn(
+            move |tx: &mut Transaction<'static, Sqlite>, d: Delivered<Shipped>| {
+                let deliveries = deliveries.clone();
+                Box::pin(async move {
+                    deliveries
+                        .lock()
+                        .unwrap()
+                        .entry(d.id.clone())
+                        .or_default()
+                        .push(d.delivery);
+                    sqlx::query("INSERT INTO effects (event_id) VALUES (?)")
+                        .bind(&d.id)
+                        .execute(&mut **tx)
+                        .await?;
+                    if hang {
+                        std::future::pending::<()>().await;
+                    }
+                    match fail(&d.id, d.delivery) {
+                        Some(err) => Err(err),
+                        None => Ok(()),
+                    }
+                })
+            },
+        )
     }
 
     async fn effects(&self, id: &str) -> i64 {
@@ -1337,29 +1347,10 @@ async fn shutdown_finishes_the_messages_in_hand() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_timeout_abandons_a_hung_handler_to_redelivery() {
     let h = Harness::new().await;
-    let deliveries = h.deliveries.clone();
     let hung = Consumer::builder(
         h.stream.context.clone(),
         h.db.pool.clone(),
-        handler_fn(
-            move |tx: &mut Transaction<'static, Sqlite>, d: Delivered<Shipped>| {
-                let deliveries = deliveries.clone();
-                Box::pin(async move {
-                    deliveries
-                        .lock()
-                        .unwrap()
-                        .entry(d.id.clone())
-                        .or_default()
-                        .push(d.delivery);
-                    sqlx::query("INSERT INTO effects (event_id) VALUES (?)")
-                        .bind(&d.id)
-                        .execute(&mut **tx)
-                        .await?;
-                    std::future::pending::<()>().await;
-                    Ok(())
-                })
-            },
-        ),
+        h.handler(|_, _| None, true),
     )
     .bind(&h.stream.name, &h.name)
     .start()

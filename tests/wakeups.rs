@@ -216,20 +216,19 @@ async fn until_listening(db: &TestPg, what: &str) {
     assert_eq!(listeners(db).await, 1, "{what}");
 }
 
-#[tokio::test]
-async fn a_listening_dispatcher_wakes_on_commits_it_was_not_told_about() {
-    let db = TestPg::new().await;
-    migrate(&db.pool).await.unwrap();
+/// Starts a dispatcher on `pool` that listens on `pool` and never polls, commits a row
+/// through another pool ("another process", nobody calls `notify()`), checks that the row is
+/// published, and shuts the dispatcher down.
+async fn a_commit_wakes_a_listening_dispatcher(db: &TestPg, pool: &sqlx::PgPool) {
     let publisher = RecordingPublisher::new();
     let dispatcher =
-        OutboxDispatcher::builder(PgOutboxRepository::new(db.pool.clone()), publisher.clone())
+        OutboxDispatcher::builder(PgOutboxRepository::new(pool.clone()), publisher.clone())
             .idle_interval(Duration::from_secs(3600)) // no polling: only NOTIFY can wake it
-            .listen_postgres(&db.pool, &OutboxTables::default())
+            .listen_postgres(pool, &OutboxTables::default())
             .start()
             .unwrap();
-    until_listening(&db, "the dispatcher is not listening").await;
+    until_listening(db, "the dispatcher is not listening").await;
 
-    // Committed by "another process" (nobody calls notify()).
     let mut tx = db.pool.begin().await.unwrap();
     let row = tx.enqueue(&record()).await.unwrap();
     tx.commit().await.unwrap();
@@ -238,8 +237,14 @@ async fn a_listening_dispatcher_wakes_on_commits_it_was_not_told_about() {
         "the commit did not wake the dispatcher"
     );
     assert_eq!(publisher.successes(), [row.id]);
-
     dispatcher.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_listening_dispatcher_wakes_on_commits_it_was_not_told_about() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    a_commit_wakes_a_listening_dispatcher(&db, &db.pool).await;
     assert_eq!(
         listeners(&db).await,
         0,
@@ -261,25 +266,7 @@ async fn the_listener_takes_no_connection_from_the_pool() {
         .connect_with(db.options.clone())
         .await
         .unwrap();
-    let publisher = RecordingPublisher::new();
-    let dispatcher =
-        OutboxDispatcher::builder(PgOutboxRepository::new(pool.clone()), publisher.clone())
-            .idle_interval(Duration::from_secs(3600)) // no polling: only NOTIFY can wake it
-            .listen_postgres(&pool, &OutboxTables::default())
-            .start()
-            .unwrap();
-    until_listening(&db, "the dispatcher is not listening").await;
-
-    let mut tx = db.pool.begin().await.unwrap();
-    let row = tx.enqueue(&record()).await.unwrap();
-    tx.commit().await.unwrap();
-    assert!(
-        publisher.wait_for_attempts(1, Duration::from_secs(5)).await,
-        "the dispatcher did not publish the commit"
-    );
-    assert_eq!(publisher.successes(), [row.id]);
-
-    dispatcher.shutdown().await;
+    a_commit_wakes_a_listening_dispatcher(&db, &pool).await;
     pool.close().await;
     db.close().await;
 }
