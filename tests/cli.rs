@@ -662,6 +662,8 @@ async fn dead_letters_are_listed_and_replayed() {
     let copy = |id: Option<&str>| {
         let mut headers = HeaderMap::new();
         headers.insert("Trellis-Event-Time", "2026-12-06T10:00:00.000Z");
+        headers.append("X-Tag", "first");
+        headers.append("X-Tag", "second");
         headers.insert(h::KIND, if id.is_some() { "Handler" } else { "MissingId" });
         headers.insert(h::ERROR, "no such table: orders");
         headers.insert(h::SUBJECT, target.subject("orders.placed").as_str());
@@ -717,18 +719,36 @@ async fn dead_letters_are_listed_and_replayed() {
         "{replayed}"
     );
     // The message is back on its subject with its id and headers, without the copy's.
+    // Read through a consumer: a direct get keeps only the last value of a repeated header.
     let stream = js.get_stream(&target.name).await.unwrap();
-    let back = stream
-        .get_last_raw_message_by_subject(&target.subject("orders.placed"))
+    let reader = stream
+        .create_consumer(async_nats::jetstream::consumer::pull::Config {
+            ack_policy: async_nats::jetstream::consumer::AckPolicy::None,
+            ..Default::default()
+        })
         .await
         .unwrap();
+    let mut fetched = reader.fetch().max_messages(10).messages().await.unwrap();
+    let back = futures::StreamExt::next(&mut fetched)
+        .await
+        .unwrap()
+        .unwrap()
+        .message
+        .clone();
+    let back_headers = back.headers.clone().unwrap_or_default();
     assert_eq!(back.payload.as_ref(), b"{\"n\":7}");
-    assert_eq!(back.headers.get("Nats-Msg-Id").unwrap().as_str(), "evt-7");
+    assert_eq!(back_headers.get("Nats-Msg-Id").unwrap().as_str(), "evt-7");
     assert_eq!(
-        back.headers.get("Trellis-Event-Time").unwrap().as_str(),
+        back_headers.get("Trellis-Event-Time").unwrap().as_str(),
         "2026-12-06T10:00:00.000Z"
     );
-    assert!(back.headers.get(h::ERROR).is_none(), "{:?}", back.headers);
+    assert!(back_headers.get(h::ERROR).is_none(), "{back_headers:?}");
+    let tags: Vec<&str> = back_headers.get_all("X-Tag").map(|v| v.as_str()).collect();
+    assert_eq!(
+        tags,
+        ["first", "second"],
+        "every value of a repeated header"
+    );
     assert_eq!(target.count().await, 1);
     // Only the copy without an id is left.
     let left: Value = serde_json::from_str(&cli(&["--json"]).await.unwrap()).unwrap();

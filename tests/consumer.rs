@@ -1379,6 +1379,14 @@ async fn shutdown_timeout_abandons_a_hung_handler_to_redelivery() {
         0,
         "the hung handler's insert was rolled back"
     );
+    // And its transaction is over: SQLite's one write lock is free again.
+    tokio::time::timeout(
+        Duration::from_secs(2),
+        sqlx::query("INSERT INTO effects (event_id) VALUES ('probe')").execute(&h.db.pool),
+    )
+    .await
+    .expect("the aborted handler's transaction still holds the write lock")
+    .unwrap();
 
     // The server delivers it again after the ack wait (2 s); a working consumer applies
     // it once.
@@ -1416,7 +1424,7 @@ static BROKEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::ne
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_are_listed_and_replayed_once_the_cause_is_fixed() {
     let js = jetstream().await;
-    let window = Duration::from_secs(6);
+    let window = Duration::from_secs(8);
     let h = Harness::on(
         TestStream::create(&js, |token| Config {
             subjects: vec![format!("{token}.>")],
@@ -1432,8 +1440,9 @@ async fn dead_letters_are_listed_and_replayed_once_the_cause_is_fixed() {
                 .then(|| HandlerError::permanent("the handler has a bug"))
         })
         .await;
-    let published = Instant::now();
     publish_shipped(&h, 0, 2).await;
+    // The stream took evt-1 (its duplicate window started) before this.
+    let published = Instant::now();
     publish(&js, h.stream.subject("shipped.o9"), None, shipped(9)).await;
     h.settled().await;
 
@@ -1495,8 +1504,7 @@ async fn dead_letters_are_listed_and_replayed_once_the_cause_is_fixed() {
 
     // The bug is fixed and the window has passed.
     BROKEN.store(false, std::sync::atomic::Ordering::SeqCst);
-    tokio::time::sleep(window.saturating_sub(published.elapsed()) + Duration::from_millis(200))
-        .await;
+    tokio::time::sleep(window.saturating_sub(published.elapsed()) + Duration::from_secs(1)).await;
     let report = trellis_outbox::replay_dead_letters(&js, &h.name, 10)
         .await
         .unwrap();

@@ -1,19 +1,24 @@
 //! Reading and replaying a consumer's dead letters (the copies `run.rs` publishes to
 //! [`DEAD_LETTER_STREAM`] before terminating a message).
 
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use async_nats::HeaderMap;
-use async_nats::jetstream::Context;
-use async_nats::jetstream::ErrorCode;
-use async_nats::jetstream::context::GetStreamErrorKind;
-use async_nats::jetstream::message::StreamMessage;
-use async_nats::jetstream::stream::{LastRawMessageErrorKind, Stream};
+use async_nats::jetstream::consumer::pull::Config as PullConfig;
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer};
+use async_nats::jetstream::context::{GetStreamErrorKind, PublishErrorKind};
+use async_nats::jetstream::stream::Stream;
+use async_nats::jetstream::{Context, ErrorCode, Message};
+use futures_util::StreamExt as _;
 
 use super::builder::{DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECT_PREFIX};
 use super::error::ConsumerError;
 use super::run::dead_letter_headers as h;
+use crate::dispatch::BoxError;
 use crate::record::NATS_MSG_ID;
+
+/// How many copies one fetch asks for.
+const FETCH: usize = 256;
 
 /// A dead-letter copy of one message, as [`dead_letters`] reads it. Each field but
 /// `sequence`, `at`, `payload` and `headers` comes from the copy's `Trellis-Dlq-*` headers
@@ -42,23 +47,25 @@ pub struct DeadLetter {
     pub stream_sequence: Option<u64>,
     /// The message's payload.
     pub payload: bytes::Bytes,
-    /// The copy's headers: the message's own (without its `Nats-*` headers) and the
-    /// `Trellis-Dlq-*` ones.
+    /// The copy's headers: the message's own but its `Nats-*` ones, the `Trellis-Dlq-*`
+    /// ones, and the copy's own `Nats-Msg-Id` (`dlq:<consumer>:<stream>:<sequence>`, which
+    /// makes the copy's publish idempotent).
     pub headers: HeaderMap,
 }
 
 impl DeadLetter {
-    fn read(message: StreamMessage) -> Self {
-        let text = |name: &str| {
-            message
-                .headers
-                .get(name)
-                .map(|value| value.as_str().to_owned())
+    /// The copy `message`, or `None` if it is not one (no stream sequence).
+    fn read(message: Message) -> Option<Self> {
+        let (sequence, at) = match message.info() {
+            Ok(info) => (info.stream_sequence, SystemTime::from(info.published)),
+            Err(_) => return None,
         };
+        let headers = message.message.headers.unwrap_or_default();
+        let text = |name: &str| headers.get(name).map(|value| value.as_str().to_owned());
         let number = |name: &str| text(name).and_then(|value| value.parse().ok());
-        Self {
-            sequence: message.sequence,
-            at: SystemTime::from(message.time),
+        Some(Self {
+            sequence,
+            at,
             message_id: text(h::MESSAGE_ID),
             subject: text(h::SUBJECT),
             kind: text(h::KIND),
@@ -66,9 +73,9 @@ impl DeadLetter {
             deliveries: number(h::DELIVERIES),
             stream: text(h::STREAM),
             stream_sequence: number(h::STREAM_SEQUENCE),
-            payload: message.payload,
-            headers: message.headers,
-        }
+            payload: message.message.payload,
+            headers,
+        })
     }
 
     /// Why replaying this copy would not help, if it would not.
@@ -94,7 +101,8 @@ impl DeadLetter {
         None
     }
 
-    /// The headers the replayed message carries: the message's own, its `Nats-Msg-Id` back.
+    /// The headers the replayed message carries: the message's own (every value of each),
+    /// its `Nats-Msg-Id` back.
     fn replay_headers(&self, id: &str) -> HeaderMap {
         let mut headers = HeaderMap::new();
         for (name, values) in self.headers.iter() {
@@ -169,19 +177,103 @@ async fn dead_letter_stream(jetstream: &Context) -> Result<Option<Stream>, Consu
     }
 }
 
-/// The first copy on `subject` at or after `from`, if any.
-async fn next_copy(
-    stream: &Stream,
-    subject: &str,
-    from: u64,
-) -> Result<Option<StreamMessage>, ConsumerError> {
-    match stream.get_first_raw_message_by_subject(subject, from).await {
-        Ok(message) => Ok(Some(message)),
-        Err(error) if matches!(error.kind(), LastRawMessageErrorKind::NoMessageFound) => Ok(None),
-        Err(error) => Err(ConsumerError::Stream {
-            stream: DEAD_LETTER_STREAM.into(),
-            source: error.into(),
-        }),
+/// The copies on one dead-letter subject as the stream held them when reading began, oldest
+/// first, read through an ephemeral consumer that acknowledges nothing (a direct get would
+/// keep only the last value of a header that has several). Copies stored after the start are
+/// not read: a replay does not meet the copies of its own failed messages again.
+struct Copies {
+    stream: Stream,
+    consumer: PullConsumer,
+    /// The stream's last sequence when reading began.
+    end: u64,
+    /// Read up to `end`, or the stream had no more.
+    done: bool,
+}
+
+impl Copies {
+    /// `None` if the dead-letter stream does not exist or holds nothing.
+    async fn open(jetstream: &Context, subject: String) -> Result<Option<Self>, ConsumerError> {
+        let Some(stream) = dead_letter_stream(jetstream).await? else {
+            return Ok(None);
+        };
+        let state = &stream.cached_info().state;
+        if state.messages == 0 {
+            return Ok(None);
+        }
+        let end = state.last_sequence;
+        let consumer = stream
+            .create_consumer(PullConfig {
+                filter_subject: subject,
+                deliver_policy: DeliverPolicy::All,
+                ack_policy: AckPolicy::None,
+                inactive_threshold: Duration::from_secs(30),
+                memory_storage: true,
+                ..PullConfig::default()
+            })
+            .await
+            .map_err(stream_error)?;
+        Ok(Some(Self {
+            stream,
+            consumer,
+            end,
+            done: false,
+        }))
+    }
+
+    /// The next copies, at most `max` (none once every copy up to `end` was read).
+    async fn next(&mut self, max: usize) -> Result<Vec<DeadLetter>, ConsumerError> {
+        let mut copies = Vec::new();
+        if self.done || max == 0 {
+            return Ok(copies);
+        }
+        let mut batch = self
+            .consumer
+            .fetch()
+            .max_messages(max.min(FETCH))
+            .messages()
+            .await
+            .map_err(stream_error)?;
+        let mut any = false;
+        while let Some(message) = batch.next().await {
+            let message = message.map_err(stream_error)?;
+            any = true;
+            let last = message.info().map_or(true, |info| info.pending == 0);
+            match DeadLetter::read(message) {
+                Some(copy) if copy.sequence <= self.end => copies.push(copy),
+                _ => self.done = true,
+            }
+            if last {
+                self.done = true;
+            }
+        }
+        if !any {
+            self.done = true;
+        }
+        Ok(copies)
+    }
+
+    /// Deletes the copy `sequence` from the stream.
+    async fn delete(&self, sequence: u64) -> Result<(), ConsumerError> {
+        self.stream
+            .delete_message(sequence)
+            .await
+            .map(drop)
+            .map_err(stream_error)
+    }
+
+    /// Deletes the reading consumer (else the server does after 30 s of inactivity).
+    async fn close(self) {
+        let name = self.consumer.cached_info().name.clone();
+        if let Err(error) = self.stream.delete_consumer(&name).await {
+            tracing::debug!(%error, "could not delete the dead-letter reader; the server will");
+        }
+    }
+}
+
+fn stream_error(error: impl Into<BoxError>) -> ConsumerError {
+    ConsumerError::Stream {
+        stream: DEAD_LETTER_STREAM.into(),
+        source: error.into(),
     }
 }
 
@@ -210,25 +302,32 @@ pub async fn dead_letters(
     limit: usize,
 ) -> Result<Vec<DeadLetter>, ConsumerError> {
     let subject = subject_of(consumer)?;
-    let Some(stream) = dead_letter_stream(jetstream).await? else {
+    let Some(mut copies) = Copies::open(jetstream, subject).await? else {
         return Ok(Vec::new());
     };
-    let mut copies = Vec::new();
-    let mut from = 1;
-    while copies.len() < limit {
-        let Some(message) = next_copy(&stream, &subject, from).await? else {
-            break;
-        };
-        from = message.sequence.saturating_add(1);
-        copies.push(DeadLetter::read(message));
+    let mut out = Vec::new();
+    let read = async {
+        while out.len() < limit {
+            let next = copies.next(limit - out.len()).await?;
+            if next.is_empty() {
+                break;
+            }
+            out.extend(next);
+        }
+        Ok::<_, ConsumerError>(())
     }
-    Ok(copies)
+    .await;
+    copies.close().await;
+    read?;
+    Ok(out)
 }
 
-/// Publishes durable consumer `consumer`'s dead letters again (at most `limit`, oldest
-/// first), each to the subject it was first published to with its own `Nats-Msg-Id` and
-/// headers, and deletes each copy once the stream has acknowledged the message. Run it once
-/// the cause is fixed (a handler's bug, a missing table).
+/// Publishes durable consumer `consumer`'s dead letters again, oldest first, each to the
+/// subject it was first published to with its own `Nats-Msg-Id` and headers, and deletes each
+/// copy once the stream has acknowledged the message. Run it once the cause is fixed (a
+/// handler's bug, a missing table). At most `limit` messages are published; copies that
+/// cannot be replayed (below) do not count. Only the copies stored when the replay starts are
+/// replayed: a message that fails again is dead-lettered again, not replayed in a loop.
 ///
 /// The message goes back to **every** consumer of that subject, not only to `consumer`. A
 /// trellis-outbox [`Consumer`](super::Consumer) that applied it already finds its id in its
@@ -237,6 +336,7 @@ pub async fn dead_letters(
 /// A copy is left in place, with the reason in [`ReplayReport::left`], when:
 /// * it has no usable message id, or no subject (the consumer would dead-letter it again,
 ///   or there is nowhere to send it);
+/// * no stream takes its subject any more;
 /// * the stream still holds its id in its duplicate window and drops the publish (replay
 ///   it after the window; the id may also be that of an earlier replay whose copy could
 ///   not be deleted, which the consumer's inbox absorbs).
@@ -245,8 +345,9 @@ pub async fn dead_letters(
 ///
 /// [`ConsumerError::InvalidOptions`] if `consumer` is not one subject token;
 /// [`ConsumerError::Stream`] if the dead-letter stream cannot be read or a copy deleted;
-/// [`ConsumerError::Replay`] if a message cannot be published (no stream for its subject,
-/// no answer). Copies replayed before the error stay replayed; the rest stay in place.
+/// [`ConsumerError::Replay`] if a message cannot be published (no answer from the server),
+/// with how many were replayed before it. Copies replayed before an error stay replayed;
+/// the rest stay in place.
 ///
 /// # Examples
 ///
@@ -267,71 +368,92 @@ pub async fn replay_dead_letters(
 ) -> Result<ReplayReport, ConsumerError> {
     let subject = subject_of(consumer)?;
     let mut report = ReplayReport::default();
-    let Some(stream) = dead_letter_stream(jetstream).await? else {
+    let Some(mut copies) = Copies::open(jetstream, subject).await? else {
         return Ok(report);
     };
-    let mut from = 1;
-    let mut seen = 0;
-    while seen < limit {
-        let Some(message) = next_copy(&stream, &subject, from).await? else {
-            break;
-        };
-        seen += 1;
-        from = message.sequence.saturating_add(1);
-        let copy = DeadLetter::read(message);
-        let leave = |reason: String| NotReplayed {
-            sequence: copy.sequence,
-            message_id: copy.message_id.clone(),
-            reason,
-        };
-        if let Some(reason) = copy.unreplayable() {
-            report.left.push(leave(reason));
-            continue;
+    let outcome = replay(jetstream, consumer, &mut copies, limit, &mut report).await;
+    copies.close().await;
+    outcome.map(|()| report)
+}
+
+/// The loop of [`replay_dead_letters`] over `copies`.
+async fn replay(
+    jetstream: &Context,
+    consumer: &str,
+    copies: &mut Copies,
+    limit: usize,
+    report: &mut ReplayReport,
+) -> Result<(), ConsumerError> {
+    let mut published = 0;
+    while published < limit {
+        let batch = copies.next(FETCH).await?;
+        if batch.is_empty() {
+            return Ok(());
         }
-        let (Some(id), Some(target)) = (&copy.message_id, &copy.subject) else {
-            continue;
-        };
-        let replay_error = |source: async_nats::Error| ConsumerError::Replay {
-            sequence: copy.sequence,
-            subject: target.clone(),
-            source,
-        };
-        let ack = jetstream
-            .publish_with_headers(
-                target.clone(),
-                copy.replay_headers(id),
-                copy.payload.clone(),
-            )
-            .await
-            .map_err(|e| replay_error(e.into()))?
-            .await
-            .map_err(|e| replay_error(e.into()))?;
-        if ack.duplicate {
-            report.left.push(leave(format!(
-                "stream `{}` still holds id {id:?} in its duplicate window and dropped the \
-                 publish; replay it after the window",
-                ack.stream
-            )));
-            continue;
+        for copy in batch {
+            if published == limit {
+                // Read ahead of the limit: left as it is, and not reported.
+                break;
+            }
+            let leave = |reason: String| NotReplayed {
+                sequence: copy.sequence,
+                message_id: copy.message_id.clone(),
+                reason,
+            };
+            if let Some(reason) = copy.unreplayable() {
+                report.left.push(leave(reason));
+                continue;
+            }
+            let (Some(id), Some(target)) = (&copy.message_id, &copy.subject) else {
+                continue;
+            };
+            published += 1;
+            let replay_error = |source: BoxError| ConsumerError::Replay {
+                sequence: copy.sequence,
+                subject: target.clone(),
+                replayed: report.replayed,
+                source,
+            };
+            let sent = jetstream
+                .publish_with_headers(
+                    target.clone(),
+                    copy.replay_headers(id),
+                    copy.payload.clone(),
+                )
+                .await
+                .map_err(|e| replay_error(e.into()))?
+                .await;
+            let ack = match sent {
+                Ok(ack) => ack,
+                Err(error) if matches!(error.kind(), PublishErrorKind::StreamNotFound) => {
+                    report.left.push(leave(format!(
+                        "no stream takes subject `{target}` any more"
+                    )));
+                    continue;
+                }
+                Err(error) => return Err(replay_error(error.into())),
+            };
+            if ack.duplicate {
+                report.left.push(leave(format!(
+                    "stream `{}` still holds id {id:?} in its duplicate window and dropped the \
+                     publish; replay it after the window",
+                    ack.stream
+                )));
+                continue;
+            }
+            copies.delete(copy.sequence).await?;
+            report.replayed += 1;
+            tracing::info!(
+                consumer,
+                message_id = %id,
+                subject = %target,
+                stream = %ack.stream,
+                sequence = ack.sequence,
+                "dead letter replayed"
+            );
         }
-        stream
-            .delete_message(copy.sequence)
-            .await
-            .map_err(|e| ConsumerError::Stream {
-                stream: DEAD_LETTER_STREAM.into(),
-                source: e.into(),
-            })?;
-        report.replayed += 1;
-        tracing::info!(
-            consumer,
-            message_id = %id,
-            subject = %target,
-            stream = %ack.stream,
-            sequence = ack.sequence,
-            "dead letter replayed"
-        );
     }
-    Ok(report)
+    Ok(())
 }
 
 #[cfg(test)]

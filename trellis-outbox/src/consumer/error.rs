@@ -58,13 +58,18 @@ pub enum ConsumerError {
         source: BoxError,
     },
     /// A dead letter could not be published again
-    /// ([`replay_dead_letters`](crate::replay_dead_letters)); its copy stays in place.
-    #[error("dead letter {sequence} could not be published again to `{subject}`")]
+    /// ([`replay_dead_letters`](crate::replay_dead_letters)); its copy and the ones after it
+    /// stay in place.
+    #[error(
+        "dead letter {sequence} could not be published again to `{subject}` ({replayed} replayed before it)"
+    )]
     Replay {
         /// The copy's sequence in the dead-letter stream.
         sequence: u64,
         /// The subject it was published to.
         subject: String,
+        /// How many dead letters this replay had replayed before it.
+        replayed: u64,
         /// The client's or server's error.
         #[source]
         source: BoxError,

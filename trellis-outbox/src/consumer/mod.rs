@@ -49,8 +49,9 @@ pub struct ConsumerReport {
     /// without a redelivery ([`FailureAction::WaitForDatabase`](crate::FailureAction::WaitForDatabase)).
     pub database_waits: u64,
     /// Messages still being applied when [`ConsumerHandle::shutdown_timeout`] gave up on
-    /// them: their transactions were rolled back, and the server delivers them again after
-    /// their ack wait.
+    /// them (or whose task ended without settling them): their transactions were rolled
+    /// back, and the server delivers them again after their ack wait unless that was their
+    /// last delivery.
     pub abandoned: u64,
 }
 
@@ -112,7 +113,20 @@ impl ConsumerHandle {
     /// and so rolled back, nothing is acknowledged for them, and the server delivers them
     /// again after their ack wait (the inbox absorbs the redelivery of one whose commit had
     /// gone through). [`ConsumerReport::abandoned`] counts them. Use it where the process has
-    /// a deadline to stop, such as a container's grace period after `SIGTERM`.
+    /// a deadline to stop, such as a container's grace period after `SIGTERM`; it returns at
+    /// most about 2 s after `timeout` (the aborted tasks' clean-up and a flush of the
+    /// acknowledgements already queued, 1 s each at most).
+    ///
+    /// What an abort cannot undo:
+    /// * A message aborted at the JetStream consumer's last delivery (`max_deliver`) is not
+    ///   delivered again, and no dead-letter copy is made; it is only counted. Each abort
+    ///   spends one delivery, so leave the consumer deliveries to spare (the default
+    ///   `max_deliveries` is one less than `max_deliver`).
+    /// * An abort stops waiting for a statement, not the statement: on Postgres a statement
+    ///   in progress (a lock wait, a slow query) runs on until it ends, and its connection
+    ///   and row locks stay taken meanwhile (a redelivery elsewhere may wait on them). Give
+    ///   the handler's statements a `statement_timeout`.
+    /// * A handler blocking its thread (not awaiting) is not stopped at all.
     ///
     /// # Errors
     ///
@@ -146,19 +160,28 @@ impl ConsumerHandle {
         task.abort();
         // Dropping the task drops its message tasks' set, which aborts them; each is dropped
         // at its next await. Give them a moment, then send what the finished ones queued.
-        let _ = task.await;
+        let ended = task.await;
         let grace = tokio::time::Instant::now() + ABORT_GRACE;
         while self.stats.in_hand() > 0 && tokio::time::Instant::now() < grace {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        if let Err(err) = tokio::time::timeout(ABORT_GRACE, self.client.flush()).await {
-            tracing::warn!(error = %err, "flushing the last acknowledgements timed out");
+        match tokio::time::timeout(ABORT_GRACE, self.client.flush()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => {
+                tracing::warn!(error = %err, "flushing the last acknowledgements failed")
+            }
+            Err(_) => tracing::warn!("flushing the last acknowledgements timed out"),
         }
         tracing::warn!(
             ?timeout,
             in_hand,
             "the consumer did not stop in time; the messages in hand were abandoned to redelivery"
         );
+        // The task may have ended on its own just as it was aborted.
+        match ended {
+            Err(err) if err.is_cancelled() => {}
+            ended => log_join(ended)?,
+        }
         Ok(self.stats.report())
     }
 }

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_nats::HeaderMap;
@@ -95,12 +95,19 @@ impl Stats {
     }
 }
 
-/// Counts one message task in hand while it lives; dropped before it finished (the task
-/// was aborted by [`ConsumerHandle::shutdown_timeout`](super::ConsumerHandle::shutdown_timeout)),
-/// it counts the message abandoned.
+tokio::task_local! {
+    /// Set by [`Stats::settle`] in a message's task: the message was counted as settled.
+    static SETTLED: Arc<AtomicBool>;
+}
+
+/// Counts one message task in hand while it lives; dropped before its message was settled
+/// (the task was aborted by
+/// [`ConsumerHandle::shutdown_timeout`](super::ConsumerHandle::shutdown_timeout)), it counts
+/// the message abandoned. A task aborted while it acknowledges a settled message is not
+/// counted twice.
 struct InHand {
     stats: Arc<Stats>,
-    finished: bool,
+    settled: Arc<AtomicBool>,
 }
 
 impl InHand {
@@ -108,19 +115,19 @@ impl InHand {
         stats.in_hand.fetch_add(1, Ordering::AcqRel);
         Self {
             stats,
-            finished: false,
+            settled: Arc::new(AtomicBool::new(false)),
         }
     }
 
-    /// The message was settled.
-    fn finish(mut self) {
-        self.finished = true;
+    /// Runs `work` (the message's processing) where [`Stats::settle`] can mark it settled.
+    async fn track<F: Future<Output = ()>>(&self, work: F) {
+        SETTLED.scope(self.settled.clone(), work).await;
     }
 }
 
 impl Drop for InHand {
     fn drop(&mut self) {
-        if !self.finished {
+        if !self.settled.load(Ordering::Acquire) {
             bump(&self.stats.abandoned);
         }
         self.stats.in_hand.fetch_sub(1, Ordering::AcqRel);
@@ -148,6 +155,8 @@ impl Stats {
             Settled::Terminated => (&self.terminated, "terminated"),
         };
         bump(counter);
+        // Outside a message's task (none today) there is nothing to mark.
+        let _ = SETTLED.try_with(|settled| settled.store(true, Ordering::Release));
         metrics::counter!(
             crate::metrics::CONSUMED,
             "consumer" => consumer.to_owned(),
@@ -266,8 +275,8 @@ where
                 let shared = shared.clone();
                 let in_hand = InHand::new(shared.stats.clone());
                 tasks.spawn(async move {
-                    process(&shared, message).await;
-                    in_hand.finish();
+                    in_hand.track(process(&shared, message)).await;
+                    drop(in_hand);
                     drop(permit);
                 });
             }

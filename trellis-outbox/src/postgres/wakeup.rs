@@ -32,6 +32,8 @@ pub(crate) async fn wake(pool: &PgPool, channel: &str) -> sqlx::Result<()> {
     Ok(())
 }
 const UNLISTEN_TIMEOUT: Duration = Duration::from_secs(1);
+/// The least time the listener's connect may take (see `own_connection`).
+const MIN_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Calls a wake-up function whenever a transaction that enqueued rows on this outbox commits,
 /// in any process (Postgres `LISTEN`/`NOTIFY`).
@@ -127,7 +129,7 @@ impl PgWakeups {
         pool: &PgPool,
         channel: String,
         wake: Arc<dyn Fn() + Send + Sync>,
-        first: Option<PgListener>,
+        first: Option<Listener>,
         on_error: Option<Arc<dyn Fn(Error) + Send + Sync>>,
         health_every: Duration,
     ) -> Self {
@@ -165,9 +167,28 @@ impl Drop for PgWakeups {
     }
 }
 
-async fn connect(pool: &PgPool, channel: &str) -> Result<PgListener> {
+/// A listening connection and the pool of one it came from.
+struct Listener {
+    listener: PgListener,
+    own: PgPool,
+}
+
+impl Listener {
+    /// Stops listening and closes the connection (a `Terminate`, not a dropped socket),
+    /// each step bounded, in case the connection is gone.
+    async fn close(mut self) {
+        let _ = tokio::time::timeout(UNLISTEN_TIMEOUT, self.listener.unlisten_all()).await;
+        // Dropping it hands the connection back to `own` (after an `UNLISTEN` sent from a
+        // task), which `close` then closes.
+        drop(self.listener);
+        let _ = tokio::time::timeout(UNLISTEN_TIMEOUT, self.own.close()).await;
+    }
+}
+
+async fn connect(pool: &PgPool, channel: &str) -> Result<Listener> {
     let listen_error = Error::repository("listen");
-    let mut listener = PgListener::connect_with(&own_connection(pool))
+    let own = own_connection(pool);
+    let mut listener = PgListener::connect_with(&own)
         .await
         .map_err(&listen_error)?;
     // A lost connection ends `try_recv` at once (`Ok(None)`) instead of reconnecting inside
@@ -176,7 +197,7 @@ async fn connect(pool: &PgPool, channel: &str) -> Result<PgListener> {
     // silently, and the re-scan wake-up would be lost.)
     listener.eager_reconnect(false);
     listener.listen(channel).await.map_err(listen_error)?;
-    Ok(listener)
+    Ok(Listener { listener, own })
 }
 
 /// A pool of one connection, opened on demand with `pool`'s connect options, for one
@@ -186,11 +207,20 @@ async fn connect(pool: &PgPool, channel: &str) -> Result<PgListener> {
 /// returning it: on a silent connection that task waits until TCP gives up, minutes later,
 /// and the connection would stay taken from `pool` all that time. A pool per connect keeps
 /// both out of the application's way.
+///
+/// The connect may take the pool's `acquire_timeout`, but at least [`MIN_CONNECT_TIMEOUT`]: a
+/// fail-fast setting meant for request handlers (250 ms, say) would make every connect of a
+/// new connection fail. The pool's `after_connect` hooks do not run on it (its connect
+/// options do apply: `search_path`, TLS, application name).
 fn own_connection(pool: &PgPool) -> PgPool {
     PgPoolOptions::new()
         .max_connections(1)
         .min_connections(0)
-        .acquire_timeout(pool.options().get_acquire_timeout())
+        .acquire_timeout(
+            pool.options()
+                .get_acquire_timeout()
+                .max(MIN_CONNECT_TIMEOUT),
+        )
         .max_lifetime(None)
         .idle_timeout(None)
         .connect_lazy_with((*pool.connect_options()).clone())
@@ -219,7 +249,7 @@ async fn healthy(listener: &mut PgListener) -> std::result::Result<(), sqlx::Err
     }
 }
 
-async fn run(listening: Listening, first: Option<PgListener>, mut stopped: watch::Receiver<bool>) {
+async fn run(listening: Listening, first: Option<Listener>, mut stopped: watch::Receiver<bool>) {
     let Listening {
         pool,
         channel,
@@ -266,7 +296,7 @@ async fn run(listening: Listening, first: Option<PgListener>, mut stopped: watch
             // Quiet for a while: a connection that died without a reset would stay quiet
             // for ever. (`try_recv` is cancel-safe: a message half read stays buffered.)
             () = tokio::time::sleep(health_every) => {
-                if let Err(error) = healthy(active).await {
+                if let Err(error) = healthy(&mut active.listener).await {
                     tracing::warn!(%channel, %error, "outbox wake-up listener's connection does not answer; connecting again");
                     if let Some(on_error) = &on_error {
                         on_error(Error::repository("listen")(error));
@@ -274,7 +304,7 @@ async fn run(listening: Listening, first: Option<PgListener>, mut stopped: watch
                     listener = None;
                 }
             }
-            received = active.try_recv() => match received {
+            received = active.listener.try_recv() => match received {
                 Ok(Some(_)) => wake(),
                 // The connection dropped: connect and `LISTEN` again, then re-scan for
                 // what was committed meanwhile.
@@ -293,8 +323,8 @@ async fn run(listening: Listening, first: Option<PgListener>, mut stopped: watch
         }
     }
     // Stop listening before `stop()` returns (dropping a `PgListener` only queues its
-    // `UNLISTEN` on a background task); bounded, in case the connection is gone.
-    if let Some(mut listener) = listener {
-        let _ = tokio::time::timeout(UNLISTEN_TIMEOUT, listener.unlisten_all()).await;
+    // `UNLISTEN` on a background task).
+    if let Some(listener) = listener {
+        listener.close().await;
     }
 }
