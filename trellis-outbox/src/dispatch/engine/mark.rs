@@ -73,17 +73,30 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 }
             }
             if !dispatched.is_empty() {
-                let (done, dead) = self.mark_dispatched(&claim, &dispatched).await;
+                let marks = self.mark_dispatched(&claim, &dispatched).await;
+                let (done, dead) = (marks.done, marks.dead);
                 marked.report.dispatched = marked.report.dispatched.saturating_add(done);
                 marked.report.dead = marked.report.dead.saturating_add(dead);
                 lost += (dispatched.len() as u64).saturating_sub(done.saturating_add(dead));
-                if done == dispatched.len() as u64 {
-                    for name in &dispatched_names {
-                        metrics::count(metrics::DISPATCHED, name, 1);
+                match marks.rows {
+                    // Marked one by one: each row's name is known.
+                    Some(rows) => {
+                        for (name, mark) in dispatched_names.iter().zip(rows) {
+                            match mark {
+                                RowMark::Dispatched => metrics::count(metrics::DISPATCHED, name, 1),
+                                RowMark::Dead => metrics::count(metrics::DEAD, name, 1),
+                                RowMark::Unmarked => {}
+                            }
+                        }
                     }
-                } else {
-                    metrics::count(metrics::DISPATCHED, metrics::UNATTRIBUTED_NAME, done);
-                    metrics::count(metrics::DEAD, metrics::UNATTRIBUTED_NAME, dead);
+                    None if done == dispatched.len() as u64 => {
+                        for name in &dispatched_names {
+                            metrics::count(metrics::DISPATCHED, name, 1);
+                        }
+                    }
+                    // The statement marked fewer rows than it was given (leases lost): which
+                    // ones is not known.
+                    None => metrics::count(metrics::DISPATCHED, metrics::UNATTRIBUTED_NAME, done),
                 }
             }
 
@@ -207,21 +220,27 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
     /// still cannot be marked `dispatched` is moved to `dead` (it was published: retrying it
     /// by itself would publish it again and again). Failures are reported.
     ///
-    /// Returns how many rows were marked `dispatched` and how many `dead`.
-    async fn mark_dispatched(&self, claim: &Claim, rows: &[Dispatched]) -> (u64, u64) {
+    /// Returns how many rows were marked `dispatched` and how many `dead`, and each row's
+    /// outcome when they were marked one by one.
+    async fn mark_dispatched(&self, claim: &Claim, rows: &[Dispatched]) -> DispatchedMarks {
+        let batch = |done| DispatchedMarks {
+            done,
+            dead: 0,
+            rows: None,
+        };
         let error = match self.repo.mark_dispatched(claim, rows).await {
-            Ok(done) => return (done, 0),
+            Ok(done) => return batch(done),
             Err(error) => error,
         };
         if error.is_retryable() {
             match self.repo.mark_dispatched(claim, rows).await {
-                Ok(done) => return (done, 0),
+                Ok(done) => return batch(done),
                 Err(source) => {
                     self.emit(DispatchError::Repository {
                         operation: "mark rows dispatched",
                         source,
                     });
-                    return (0, 0);
+                    return batch(0);
                 }
             }
         }
@@ -230,14 +249,19 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             source: error,
         });
         let (mut done, mut dead) = (0, 0);
+        let mut marks = Vec::with_capacity(rows.len());
         for row in rows {
             let one = std::slice::from_ref(row);
             let mut marked = self.repo.mark_dispatched(claim, one).await;
             if marked.as_ref().is_err_and(Error::is_retryable) {
                 marked = self.repo.mark_dispatched(claim, one).await;
             }
-            match marked {
-                Ok(n) => done += n,
+            let mark = match marked {
+                Ok(0) => RowMark::Unmarked,
+                Ok(n) => {
+                    done += n;
+                    RowMark::Dispatched
+                }
                 // Still transient: the row stays leased and is claimed again after its
                 // lease (and published again, which the stream's de-duplication drops).
                 // Moving a published row to `dead` for a passing fault would stop its key.
@@ -246,6 +270,7 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                         operation: "mark a published row dispatched",
                         source,
                     });
+                    RowMark::Unmarked
                 }
                 Err(source) => {
                     let reason = sanitize_text(&format!(
@@ -254,16 +279,29 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                     ));
                     let failure = Failure::dead(row.id.clone(), reason, false);
                     match self.repo.mark_failures(claim, &[failure]).await {
-                        Ok(ids) => dead += ids.len() as u64,
-                        Err(source) => self.emit(DispatchError::Repository {
-                            operation: "mark a published row",
-                            source,
-                        }),
+                        // A custom repository may answer ids it was not asked about.
+                        Ok(ids) if ids.contains(&row.id) => {
+                            dead += 1;
+                            RowMark::Dead
+                        }
+                        Ok(_) => RowMark::Unmarked,
+                        Err(source) => {
+                            self.emit(DispatchError::Repository {
+                                operation: "mark a published row",
+                                source,
+                            });
+                            RowMark::Unmarked
+                        }
                     }
                 }
-            }
+            };
+            marks.push(mark);
         }
-        (done, dead)
+        DispatchedMarks {
+            done,
+            dead,
+            rows: Some(marks),
+        }
     }
 
     /// Marks failed and undecodable rows in one call; returns the ids marked. A failed call
@@ -314,6 +352,25 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
         }
         done
     }
+}
+
+/// What marking published rows `dispatched` did.
+struct DispatchedMarks {
+    /// Rows marked `dispatched`.
+    done: u64,
+    /// Rows moved to `dead` because they could not be marked `dispatched`.
+    dead: u64,
+    /// Each row's outcome, in the order given, when they were marked one by one.
+    rows: Option<Vec<RowMark>>,
+}
+
+/// How one published row ended when marked by itself.
+#[derive(Debug, Clone, Copy)]
+enum RowMark {
+    Dispatched,
+    Dead,
+    /// Still leased (its lease was lost, or the mark failed): claimed again later.
+    Unmarked,
 }
 
 /// The longest `last_error` stored, in bytes.
