@@ -681,6 +681,14 @@ async fn dead_letters_are_listed_and_replayed() {
             .await
             .unwrap();
     }
+    // A copy of a message whose subject no stream takes any more.
+    let mut orphan = copy(Some("evt-9"));
+    orphan.insert(h::SUBJECT, format!("nostream{consumer}.orders").as_str());
+    js.publish_with_headers(subject.clone(), orphan, "{\"n\":9}".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
     let nats = nats_url();
     let cli = |args: &'static [&'static str]| {
         let mut argv = vec![
@@ -701,7 +709,7 @@ async fn dead_letters_are_listed_and_replayed() {
 
     let listed: Value = serde_json::from_str(&cli(&["--json"]).await.unwrap()).unwrap();
     let listed = listed.as_array().unwrap();
-    assert_eq!(listed.len(), 2, "{listed:?}");
+    assert_eq!(listed.len(), 3, "{listed:?}");
     assert_eq!(listed[0]["messageId"], "evt-7");
     assert_eq!(listed[0]["kind"], "Handler");
     assert_eq!(listed[0]["deliveries"], 5);
@@ -716,6 +724,10 @@ async fn dead_letters_are_listed_and_replayed() {
     assert!(replayed.starts_with("replayed 1\n"), "{replayed}");
     assert!(
         replayed.contains("(no id): it has no `Trellis-Dlq-Msg-Id` header"),
+        "{replayed}"
+    );
+    assert!(
+        replayed.contains("evt-9: no stream answered for subject"),
         "{replayed}"
     );
     // The message is back on its subject with its id and headers, without the copy's.
@@ -750,10 +762,11 @@ async fn dead_letters_are_listed_and_replayed() {
         "every value of a repeated header"
     );
     assert_eq!(target.count().await, 1);
-    // Only the copy without an id is left.
+    // The copy without an id and the orphan are left.
     let left: Value = serde_json::from_str(&cli(&["--json"]).await.unwrap()).unwrap();
-    assert_eq!(left.as_array().unwrap().len(), 1, "{left:?}");
+    assert_eq!(left.as_array().unwrap().len(), 2, "{left:?}");
     assert_eq!(left[0]["kind"], "MissingId");
+    assert_eq!(left[1]["messageId"], "evt-9");
 
     let _ = dlq.purge().filter(subject).await;
     target.delete().await;

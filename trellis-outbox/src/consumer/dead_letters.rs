@@ -7,7 +7,7 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::consumer::pull::Config as PullConfig;
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer};
 use async_nats::jetstream::context::{GetStreamErrorKind, PublishErrorKind};
-use async_nats::jetstream::stream::Stream;
+use async_nats::jetstream::stream::{DeleteMessageErrorKind, Stream};
 use async_nats::jetstream::{Context, ErrorCode, Message};
 use futures_util::StreamExt as _;
 
@@ -19,6 +19,13 @@ use crate::record::NATS_MSG_ID;
 
 /// How many copies one fetch asks for.
 const FETCH: usize = 256;
+/// How long the server may take to answer a fetch, and the client to receive each copy: a
+/// reply lost in a reconnect must not hang the read.
+const FETCH_WAIT: Duration = Duration::from_secs(10);
+/// How long the reading consumer may sit unused before the server deletes it (a replay
+/// publishes and deletes each copy of a batch before it fetches again); `close` deletes it
+/// sooner.
+const READER_IDLE: Duration = Duration::from_secs(300);
 
 /// A dead-letter copy of one message, as [`dead_letters`] reads it. Each field but
 /// `sequence`, `at`, `payload` and `headers` comes from the copy's `Trellis-Dlq-*` headers
@@ -206,7 +213,7 @@ impl Copies {
                 filter_subject: subject,
                 deliver_policy: DeliverPolicy::All,
                 ack_policy: AckPolicy::None,
-                inactive_threshold: Duration::from_secs(30),
+                inactive_threshold: READER_IDLE,
                 memory_storage: true,
                 ..PullConfig::default()
             })
@@ -230,12 +237,21 @@ impl Copies {
             .consumer
             .fetch()
             .max_messages(max.min(FETCH))
+            .expires(FETCH_WAIT)
             .messages()
             .await
             .map_err(stream_error)?;
         let mut any = false;
-        while let Some(message) = batch.next().await {
-            let message = message.map_err(stream_error)?;
+        loop {
+            let message = match tokio::time::timeout(FETCH_WAIT, batch.next()).await {
+                Ok(Some(message)) => message.map_err(stream_error)?,
+                Ok(None) => break,
+                Err(_) => {
+                    return Err(stream_error(format!(
+                        "no answer to a read of dead letters within {FETCH_WAIT:?}"
+                    )));
+                }
+            };
             any = true;
             let last = message.info().map_or(true, |info| info.pending == 0);
             match DeadLetter::read(message) {
@@ -252,13 +268,19 @@ impl Copies {
         Ok(copies)
     }
 
-    /// Deletes the copy `sequence` from the stream.
+    /// Deletes the copy `sequence` from the stream; one already gone (another replay took it)
+    /// is deleted too.
     async fn delete(&self, sequence: u64) -> Result<(), ConsumerError> {
-        self.stream
-            .delete_message(sequence)
-            .await
-            .map(drop)
-            .map_err(stream_error)
+        match self.stream.delete_message(sequence).await {
+            Ok(_) => Ok(()),
+            Err(error)
+                if matches!(error.kind(), DeleteMessageErrorKind::JetStream(inner)
+                    if inner.error_code() == ErrorCode::NO_MESSAGE_FOUND) =>
+            {
+                Ok(())
+            }
+            Err(error) => Err(stream_error(error)),
+        }
     }
 
     /// Deletes the reading consumer (else the server does after 30 s of inactivity).
@@ -325,9 +347,11 @@ pub async fn dead_letters(
 /// Publishes durable consumer `consumer`'s dead letters again, oldest first, each to the
 /// subject it was first published to with its own `Nats-Msg-Id` and headers, and deletes each
 /// copy once the stream has acknowledged the message. Run it once the cause is fixed (a
-/// handler's bug, a missing table). At most `limit` messages are published; copies that
-/// cannot be replayed (below) do not count. Only the copies stored when the replay starts are
-/// replayed: a message that fails again is dead-lettered again, not replayed in a loop.
+/// handler's bug, a missing table). At most `limit` messages are published (copies without
+/// a usable id or subject are passed over without counting). Only the copies stored when the
+/// replay starts are replayed: a message that fails again is dead-lettered again, not
+/// replayed in a loop. Copies are read through an ephemeral consumer of
+/// [`DEAD_LETTER_STREAM`] that acknowledges nothing, deleted at the end.
 ///
 /// The message goes back to **every** consumer of that subject, not only to `consumer`. A
 /// trellis-outbox [`Consumer`](super::Consumer) that applied it already finds its id in its
@@ -336,7 +360,7 @@ pub async fn dead_letters(
 /// A copy is left in place, with the reason in [`ReplayReport::left`], when:
 /// * it has no usable message id, or no subject (the consumer would dead-letter it again,
 ///   or there is nowhere to send it);
-/// * no stream takes its subject any more;
+/// * no stream answered for its subject (none takes it any more, or it is unavailable);
 /// * the stream still holds its id in its duplicate window and drops the publish (replay
 ///   it after the window; the id may also be that of an earlier replay whose copy could
 ///   not be deleted, which the consumer's inbox absorbs).
@@ -386,7 +410,7 @@ async fn replay(
 ) -> Result<(), ConsumerError> {
     let mut published = 0;
     while published < limit {
-        let batch = copies.next(FETCH).await?;
+        let batch = copies.next(limit - published).await?;
         if batch.is_empty() {
             return Ok(());
         }
@@ -427,7 +451,8 @@ async fn replay(
                 Ok(ack) => ack,
                 Err(error) if matches!(error.kind(), PublishErrorKind::StreamNotFound) => {
                     report.left.push(leave(format!(
-                        "no stream takes subject `{target}` any more"
+                        "no stream answered for subject `{target}` (none takes it any more, or \
+                         it is unavailable)"
                     )));
                     continue;
                 }

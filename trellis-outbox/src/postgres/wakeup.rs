@@ -196,7 +196,10 @@ async fn connect(pool: &PgPool, channel: &str) -> Result<Listener> {
     // `try_recv` could be cut short by the health check, whose query would then reconnect
     // silently, and the re-scan wake-up would be lost.)
     listener.eager_reconnect(false);
-    listener.listen(channel).await.map_err(listen_error)?;
+    if let Err(error) = listener.listen(channel).await {
+        Listener { listener, own }.close().await;
+        return Err(listen_error(error));
+    }
     Ok(Listener { listener, own })
 }
 
