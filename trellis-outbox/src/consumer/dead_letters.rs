@@ -283,7 +283,7 @@ impl Copies {
         }
     }
 
-    /// Deletes the reading consumer (else the server does after 30 s of inactivity).
+    /// Deletes the reading consumer (else the server does after [`READER_IDLE`] unused).
     async fn close(self) {
         let name = self.consumer.cached_info().name.clone();
         if let Err(error) = self.stream.delete_consumer(&name).await {
