@@ -109,6 +109,9 @@ struct Faulty {
     slow_marks: AtomicU64,
     /// How many more one-row `mark_dispatched` calls fail with a transient error.
     fail_single_dispatched: AtomicUsize,
+    /// Rows whose one-row `mark_dispatched` fails, not retryably (a value the statement
+    /// refuses).
+    refuse_single: Mutex<Vec<String>>,
     /// How long `release` takes to answer after releasing, in milliseconds (a late reply).
     slow_releases: AtomicU64,
 }
@@ -131,6 +134,7 @@ impl Faulty {
             hang_reads: AtomicBool::new(false),
             slow_marks: AtomicU64::new(0),
             fail_single_dispatched: AtomicUsize::new(0),
+            refuse_single: Mutex::new(Vec::new()),
             slow_releases: AtomicU64::new(0),
         })
     }
@@ -177,6 +181,9 @@ impl OutboxRepository for Faulty {
             return Err(Error::UnknownKind(
                 "a value the batch statement refuses".into(),
             ));
+        }
+        if rows.len() == 1 && self.refuse_single.lock().unwrap().contains(&rows[0].id) {
+            return Err(Error::UnknownKind("a value the statement refuses".into()));
         }
         if rows.len() == 1
             && self
@@ -553,6 +560,69 @@ async fn a_transient_error_in_the_row_by_row_mark_does_not_kill_a_published_row(
     }
 }
 
+/// Every counter `snapshotter` holds, as `(metric, name label, value)`, sorted (a snapshot
+/// resets what it reads: take one).
+fn counters(snapshotter: &metrics_util::debugging::Snapshotter) -> Vec<(String, String, u64)> {
+    let mut all: Vec<_> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter_map(|(key, _, _, value)| match value {
+            metrics_util::debugging::DebugValue::Counter(n) => {
+                let name = key.key().labels().next().map(|l| l.value().to_owned());
+                Some((key.key().name().to_owned(), name.unwrap_or_default(), n))
+            }
+            _ => None,
+        })
+        .collect();
+    all.sort();
+    all
+}
+
+/// A published row whose own mark is refused (not a passing fault) goes `dead` with the
+/// reason, once: it is not published again. The rest of its batch is marked, and each row is
+/// counted by name.
+#[tokio::test(start_paused = true)]
+async fn a_published_row_whose_mark_is_refused_goes_dead_and_is_not_published_again() {
+    // This test's runtime has one thread: the dispatcher's task records here too.
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _recording = metrics::set_default_local_recorder(&recorder);
+    let ids = ["a", "b", "c"];
+    let memory = repo_with(&ids);
+    let repo = Faulty::new(memory.clone());
+    repo.fail_batch_dispatched.store(true, Ordering::SeqCst);
+    repo.refuse_single.lock().unwrap().push("b".into());
+    let publisher = RecordingPublisher::new();
+    let reports = Reports::default();
+    let dispatcher = polling_dispatcher(repo.clone(), &publisher, 10, &reports);
+    let settled = || {
+        all_dispatched(&memory, &["a", "c"])
+            && memory.get("b").unwrap().state == OutboxMessageState::Dead
+    };
+    assert!(eventually(settled).await);
+    sleep(Duration::from_secs(60)).await;
+    dispatcher.shutdown().await;
+    for id in ids {
+        assert_eq!(publisher.attempt_count(id), 1, "{id}");
+    }
+    let b = memory.get("b").unwrap();
+    assert!(
+        b.last_error
+            .as_deref()
+            .unwrap()
+            .starts_with("published, but it could not be marked dispatched"),
+        "{b:?}"
+    );
+    use trellis_outbox::metrics as m;
+    let mut expected = vec![
+        (m::DISPATCHED.to_owned(), "Thing.Changed".to_owned(), 2),
+        (m::DEAD.to_owned(), "Thing.Changed".to_owned(), 1),
+    ];
+    expected.sort();
+    assert_eq!(counters(&snapshotter), expected);
+}
+
 /// Rows marked one by one are counted by name, also when one of them could not be marked
 /// (the rows marked were all counted under `_unattributed` then): here "a" stays leased after
 /// two transient failures and is marked when claimed again after its lease.
@@ -572,20 +642,14 @@ async fn rows_marked_one_by_one_are_counted_by_name() {
     let dispatcher = polling_dispatcher(repo.clone(), &publisher, 10, &reports);
     assert!(eventually(|| all_dispatched(&memory, &ids)).await);
     dispatcher.shutdown().await;
-    let dispatched: Vec<(String, u64)> = snapshotter
-        .snapshot()
-        .into_vec()
-        .into_iter()
-        .filter(|(key, ..)| key.key().name() == trellis_outbox::metrics::DISPATCHED)
-        .filter_map(|(key, _, _, value)| match value {
-            metrics_util::debugging::DebugValue::Counter(n) => {
-                let name = key.key().labels().next().map(|l| l.value().to_owned());
-                Some((name.unwrap_or_default(), n))
-            }
-            _ => None,
-        })
-        .collect();
-    assert_eq!(dispatched, [("Thing.Changed".to_owned(), 3)]);
+    assert_eq!(
+        counters(&snapshotter),
+        [(
+            trellis_outbox::metrics::DISPATCHED.to_owned(),
+            "Thing.Changed".to_owned(),
+            3
+        )]
+    );
 }
 
 /// Failed rows of a batch are marked in one call, and a failing batch call falls back to
