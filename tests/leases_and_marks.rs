@@ -579,6 +579,25 @@ fn counters(snapshotter: &metrics_util::debugging::Snapshotter) -> Vec<(String, 
     all
 }
 
+/// A polling dispatcher on rows `ids` whose batch marks always fail (not retryably), so that
+/// each published row is marked by itself, with the faults `configure` adds.
+fn marked_one_by_one(
+    ids: &[&str],
+    configure: impl FnOnce(&Faulty),
+) -> (
+    Arc<MemoryOutboxRepository>,
+    RecordingPublisher,
+    OutboxDispatcher,
+) {
+    let memory = repo_with(ids);
+    let repo = Faulty::new(memory.clone());
+    repo.fail_batch_dispatched.store(true, Ordering::SeqCst);
+    configure(&repo);
+    let publisher = RecordingPublisher::new();
+    let dispatcher = polling_dispatcher(repo, &publisher, 10, &Reports::default());
+    (memory, publisher, dispatcher)
+}
+
 /// A published row whose own mark is refused (not a passing fault) goes `dead` with the
 /// reason, once: it is not published again. The rest of its batch is marked, and each row is
 /// counted by name.
@@ -589,13 +608,9 @@ async fn a_published_row_whose_mark_is_refused_goes_dead_and_is_not_published_ag
     let snapshotter = recorder.snapshotter();
     let _recording = metrics::set_default_local_recorder(&recorder);
     let ids = ["a", "b", "c"];
-    let memory = repo_with(&ids);
-    let repo = Faulty::new(memory.clone());
-    repo.fail_batch_dispatched.store(true, Ordering::SeqCst);
-    repo.refuse_single.lock().unwrap().push("b".into());
-    let publisher = RecordingPublisher::new();
-    let reports = Reports::default();
-    let dispatcher = polling_dispatcher(repo.clone(), &publisher, 10, &reports);
+    let (memory, publisher, dispatcher) = marked_one_by_one(&ids, |repo| {
+        repo.refuse_single.lock().unwrap().push("b".into());
+    });
     let settled = || {
         all_dispatched(&memory, &["a", "c"])
             && memory.get("b").unwrap().state == OutboxMessageState::Dead
@@ -633,13 +648,9 @@ async fn rows_marked_one_by_one_are_counted_by_name() {
     let snapshotter = recorder.snapshotter();
     let _recording = metrics::set_default_local_recorder(&recorder);
     let ids = ["a", "b", "c"];
-    let memory = repo_with(&ids);
-    let repo = Faulty::new(memory.clone());
-    repo.fail_batch_dispatched.store(true, Ordering::SeqCst);
-    repo.fail_single_dispatched.store(2, Ordering::SeqCst);
-    let publisher = RecordingPublisher::new();
-    let reports = Reports::default();
-    let dispatcher = polling_dispatcher(repo.clone(), &publisher, 10, &reports);
+    let (memory, _, dispatcher) = marked_one_by_one(&ids, |repo| {
+        repo.fail_single_dispatched.store(2, Ordering::SeqCst);
+    });
     assert!(eventually(|| all_dispatched(&memory, &ids)).await);
     dispatcher.shutdown().await;
     assert_eq!(
