@@ -13,7 +13,7 @@ use futures_util::StreamExt as _;
 
 use super::builder::{DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECT_PREFIX};
 use super::error::ConsumerError;
-use super::run::dead_letter_headers as h;
+use super::run::{dead_letter_headers as h, headers_without};
 use crate::dispatch::BoxError;
 use crate::record::NATS_MSG_ID;
 
@@ -85,42 +85,33 @@ impl DeadLetter {
         })
     }
 
-    /// Why replaying this copy would not help, if it would not.
-    fn unreplayable(&self) -> Option<String> {
+    /// Where to replay this copy and with which id, or why replaying it would not help.
+    fn replay_target(&self) -> Result<(&str, &str), String> {
         let Some(id) = &self.message_id else {
-            return Some(format!(
+            return Err(format!(
                 "it has no `{}` header: without the message's id the consumer cannot \
                  de-duplicate it, and would dead-letter it again",
                 h::MESSAGE_ID
             ));
         };
         if let Some(problem) = crate::wire::id_problem(id) {
-            return Some(format!(
+            return Err(format!(
                 "its message id {id:?} {problem}: the consumer would dead-letter it again"
             ));
         }
-        if self.subject.is_none() {
-            return Some(format!(
+        let Some(subject) = &self.subject else {
+            return Err(format!(
                 "it has no `{}` header: where it was published is unknown",
                 h::SUBJECT
             ));
-        }
-        None
+        };
+        Ok((subject, id))
     }
 
     /// The headers the replayed message carries: the message's own (every value of each),
     /// its `Nats-Msg-Id` back.
     fn replay_headers(&self, id: &str) -> HeaderMap {
-        let mut headers = HeaderMap::new();
-        for (name, values) in self.headers.iter() {
-            let lower = name.to_string().to_ascii_lowercase();
-            if lower.starts_with("nats-") || lower.starts_with("trellis-dlq-") {
-                continue;
-            }
-            for value in values {
-                headers.append(name.clone(), value.clone());
-            }
-        }
+        let mut headers = headers_without(&self.headers, &["Nats-", "Trellis-Dlq-"]);
         headers.insert(NATS_MSG_ID, id);
         headers
     }
@@ -424,23 +415,23 @@ async fn replay(
                 message_id: copy.message_id.clone(),
                 reason,
             };
-            if let Some(reason) = copy.unreplayable() {
-                report.left.push(leave(reason));
-                continue;
-            }
-            let (Some(id), Some(target)) = (&copy.message_id, &copy.subject) else {
-                continue;
+            let (target, id) = match copy.replay_target() {
+                Ok(target) => target,
+                Err(reason) => {
+                    report.left.push(leave(reason));
+                    continue;
+                }
             };
             published += 1;
             let replay_error = |source: BoxError| ConsumerError::Replay {
                 sequence: copy.sequence,
-                subject: target.clone(),
+                subject: target.to_owned(),
                 replayed: report.replayed,
                 source,
             };
             let sent = jetstream
                 .publish_with_headers(
-                    target.clone(),
+                    target.to_owned(),
                     copy.replay_headers(id),
                     copy.payload.clone(),
                 )

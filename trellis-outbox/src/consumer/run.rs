@@ -326,6 +326,27 @@ where
     Ok(())
 }
 
+/// `headers` (every value of each) without those whose name starts with one of `prefixes`,
+/// in any letter case.
+pub(super) fn headers_without(headers: &HeaderMap, prefixes: &[&str]) -> HeaderMap {
+    let mut kept = HeaderMap::new();
+    for (name, values) in headers.iter() {
+        let name_text: &str = name.as_ref();
+        let dropped = prefixes.iter().any(|prefix| {
+            name_text
+                .get(..prefix.len())
+                .is_some_and(|start| start.eq_ignore_ascii_case(prefix))
+        });
+        if dropped {
+            continue;
+        }
+        for value in values {
+            kept.append(name.clone(), value.clone());
+        }
+    }
+    kept
+}
+
 /// Where one message stands.
 struct Origin<'m> {
     message: &'m Message,
@@ -781,18 +802,11 @@ async fn dead_letter<DB: OutboxDatabase, E, H>(
     subject: &str,
 ) -> Result<(), async_nats::Error> {
     use dead_letter_headers as h;
-    let mut headers = HeaderMap::new();
-    if let Some(original) = at.message.headers.as_ref() {
-        for (name, values) in original.iter() {
-            // Control headers (`Nats-Msg-Id`, `Nats-Expected-*`, …) must not act on the copy.
-            if name.to_string().to_ascii_lowercase().starts_with("nats-") {
-                continue;
-            }
-            for value in values {
-                headers.append(name.clone(), value.clone());
-            }
-        }
-    }
+    // Control headers (`Nats-Msg-Id`, `Nats-Expected-*`, …) must not act on the copy.
+    let mut headers = match at.message.headers.as_ref() {
+        Some(original) => headers_without(original, &["Nats-"]),
+        None => HeaderMap::new(),
+    };
     headers.insert(h::KIND, format!("{:?}", failure.kind).as_str());
     headers.insert(h::CONSUMER, shared.consumer_name.as_str());
     headers.insert(h::STREAM, at.stream.as_str());
