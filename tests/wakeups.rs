@@ -332,20 +332,13 @@ async fn a_listener_that_cannot_connect_reports_every_attempt_and_the_dispatcher
 async fn a_listener_that_loses_its_database_reports_each_failed_reconnect_then_recovers() {
     let db = TestPg::new().await;
     migrate(&db.pool).await.unwrap();
-    // The listener's own pool, so that cutting its connection leaves no idle one to reuse.
-    let listen_pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(Duration::from_millis(500))
-        .connect_with(db.options.clone())
-        .await
-        .unwrap();
     let errors = Arc::new(AtomicUsize::new(0));
     let seen = errors.clone();
     let publisher = RecordingPublisher::new();
     let dispatcher =
         OutboxDispatcher::builder(PgOutboxRepository::new(db.pool.clone()), publisher.clone())
             .idle_interval(Duration::from_secs(3600))
-            .listen_postgres(&listen_pool, &OutboxTables::default())
+            .listen_postgres(&db.pool, &OutboxTables::default())
             .on_error(move |error| {
                 if matches!(
                     error,
@@ -406,7 +399,6 @@ async fn a_listener_that_loses_its_database_reports_each_failed_reconnect_then_r
     assert_eq!(publisher.successes(), [row.id]);
 
     dispatcher.shutdown().await;
-    listen_pool.close().await;
     admin.close().await;
     db.close().await;
 }
