@@ -56,6 +56,19 @@ async fn sweep_stale(js: &Context) {
             let _ = js.delete_stream(&name).await;
         }
     }
+    // Each consumer a test starts with dead letters on makes a durable of its name on the
+    // shared replay stream; test consumers are named `<letters><ulid>`.
+    if let Ok(replays) = js.get_stream(trellis_outbox::REPLAY_STREAM).await {
+        let Ok(names) = replays.consumer_names().try_collect::<Vec<String>>().await else {
+            return;
+        };
+        for name in names {
+            let id = name.get(name.len().saturating_sub(26)..);
+            if id.is_some_and(|id| name.len() > 26 && crate::is_stale(id)) {
+                let _ = replays.delete_consumer(&name).await;
+            }
+        }
+    }
 }
 
 /// A JetStream context on `url` that reconnects forever, every 100 ms: for a private

@@ -637,13 +637,16 @@ async fn pg_migrate_gives_up_after_its_lock_timeout() {
 }
 
 /// `dead-letters` lists a consumer's dead-letter copies (NATS only, no database) and, with
-/// `--replay`, publishes each again to its subject with its own `Nats-Msg-Id` and deletes the
-/// copy; a copy without an id is left, with the reason.
+/// `--replay`, hands each to that consumer through the replay stream (every header value
+/// kept, the message's id and subject in the copy's headers, nothing published to the
+/// message's own subject) and deletes the copy; a copy without an id is left, with the
+/// reason.
 #[tokio::test]
 async fn dead_letters_are_listed_and_replayed() {
     use async_nats::HeaderMap;
     use trellis_outbox::{
-        DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECT_PREFIX, dead_letter_headers as h,
+        DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECT_PREFIX, REPLAY_STREAM, REPLAY_SUBJECT_PREFIX,
+        dead_letter_headers as h,
     };
     use trellis_outbox_tests::nats::{TestStream, jetstream};
     use trellis_outbox_tests::nats_url;
@@ -681,7 +684,8 @@ async fn dead_letters_are_listed_and_replayed() {
             .await
             .unwrap();
     }
-    // A copy of a message whose subject no stream takes any more.
+    // A copy of a message whose subject no stream takes any more: its consumer can still
+    // have it back.
     let mut orphan = copy(Some("evt-9"));
     orphan.insert(h::SUBJECT, format!("nostream{consumer}.orders").as_str());
     js.publish_with_headers(subject.clone(), orphan, "{\"n\":9}".into())
@@ -720,54 +724,104 @@ async fn dead_letters_are_listed_and_replayed() {
     assert_eq!(text.lines().count(), 1, "{text}");
     assert!(text.contains("evt-7 kind=Handler deliveries=5"), "{text}");
 
+    let listed_sequence = |n: usize| listed[n]["sequence"].as_u64().unwrap();
+    let (seven, nine) = (listed_sequence(0), listed_sequence(2));
+    // No consumer of that name ever read its replays: nothing is replayed.
+    let refused = cli(&["--replay"]).await.unwrap_err();
+    assert!(refused.to_string().contains("no durable"), "{refused}");
+    assert_eq!(
+        cli(&["--json"])
+            .await
+            .map(|out| serde_json::from_str::<Value>(&out).unwrap())
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .len(),
+        3
+    );
+    // The durable a consumer with replays on makes.
+    js.get_stream(REPLAY_STREAM)
+        .await
+        .unwrap()
+        .create_consumer(async_nats::jetstream::consumer::pull::Config {
+            durable_name: Some(consumer.clone()),
+            filter_subject: format!("{REPLAY_SUBJECT_PREFIX}.{consumer}.>"),
+            ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     let replayed = cli(&["--replay"]).await.unwrap();
-    assert!(replayed.starts_with("replayed 1\n"), "{replayed}");
+    assert!(replayed.starts_with("replayed 2\n"), "{replayed}");
     assert!(
         replayed.contains("(no id): it has no `Trellis-Dlq-Msg-Id` header"),
         "{replayed}"
     );
-    assert!(
-        replayed.contains("evt-9: no stream answered for subject"),
-        "{replayed}"
-    );
-    // The message is back on its subject with its id and headers, without the copy's.
-    // Read through a consumer: a direct get keeps only the last value of a repeated header.
-    let stream = js.get_stream(&target.name).await.unwrap();
-    let reader = stream
+    // Each went to the consumer's replay subject, whatever its own subject: the message's
+    // stream got nothing. Read through a consumer: a direct get keeps only the last value of
+    // a repeated header.
+    assert_eq!(target.count().await, 0);
+    let replays = js.get_stream(REPLAY_STREAM).await.unwrap();
+    let reader = replays
         .create_consumer(async_nats::jetstream::consumer::pull::Config {
+            filter_subject: format!("{REPLAY_SUBJECT_PREFIX}.{consumer}.>"),
             ack_policy: async_nats::jetstream::consumer::AckPolicy::None,
             ..Default::default()
         })
         .await
         .unwrap();
-    let mut fetched = reader.fetch().max_messages(10).messages().await.unwrap();
-    let back = futures::StreamExt::next(&mut fetched)
+    let mut fetched = reader
+        .fetch()
+        .max_messages(10)
+        .expires(std::time::Duration::from_secs(1))
+        .messages()
         .await
-        .unwrap()
-        .unwrap()
-        .message
-        .clone();
-    let back_headers = back.headers.clone().unwrap_or_default();
-    assert_eq!(back.payload.as_ref(), b"{\"n\":7}");
-    assert_eq!(back_headers.get("Nats-Msg-Id").unwrap().as_str(), "evt-7");
+        .unwrap();
+    let mut back = Vec::new();
+    while let Some(message) = futures::StreamExt::next(&mut fetched).await {
+        back.push(message.unwrap().message.clone());
+    }
+    assert_eq!(back.len(), 2, "{back:?}");
+    let first = &back[0];
+    let first_headers = first.headers.clone().unwrap_or_default();
     assert_eq!(
-        back_headers.get("Trellis-Event-Time").unwrap().as_str(),
+        first.subject.as_str(),
+        format!("{REPLAY_SUBJECT_PREFIX}.{consumer}.{seven}")
+    );
+    assert_eq!(first.payload.as_ref(), b"{\"n\":7}");
+    assert_eq!(
+        first_headers.get("Nats-Msg-Id").unwrap().as_str(),
+        format!("replay:{consumer}:{seven}")
+    );
+    assert_eq!(first_headers.get(h::MESSAGE_ID).unwrap().as_str(), "evt-7");
+    assert_eq!(
+        first_headers.get(h::SUBJECT).unwrap().as_str(),
+        target.subject("orders.placed")
+    );
+    assert_eq!(
+        first_headers.get("Trellis-Event-Time").unwrap().as_str(),
         "2026-12-06T10:00:00.000Z"
     );
-    assert!(back_headers.get(h::ERROR).is_none(), "{back_headers:?}");
-    let tags: Vec<&str> = back_headers.get_all("X-Tag").map(|v| v.as_str()).collect();
+    let tags: Vec<&str> = first_headers.get_all("X-Tag").map(|v| v.as_str()).collect();
     assert_eq!(
         tags,
         ["first", "second"],
         "every value of a repeated header"
     );
-    assert_eq!(target.count().await, 1);
-    // The copy without an id and the orphan are left.
+    assert_eq!(
+        back[1].subject.as_str(),
+        format!("{REPLAY_SUBJECT_PREFIX}.{consumer}.{nine}")
+    );
+    // The copy without an id is left.
     let left: Value = serde_json::from_str(&cli(&["--json"]).await.unwrap()).unwrap();
-    assert_eq!(left.as_array().unwrap().len(), 2, "{left:?}");
+    assert_eq!(left.as_array().unwrap().len(), 1, "{left:?}");
     assert_eq!(left[0]["kind"], "MissingId");
-    assert_eq!(left[1]["messageId"], "evt-9");
 
+    let _ = replays
+        .purge()
+        .filter(format!("{REPLAY_SUBJECT_PREFIX}.{consumer}.>"))
+        .await;
+    let _ = replays.delete_consumer(&consumer).await;
     let _ = dlq.purge().filter(subject).await;
     target.delete().await;
 }

@@ -20,8 +20,8 @@ use sqlx::{Postgres, Sqlite, Transaction};
 use trellis_outbox::{
     ConsumeFailure, Consumer, ConsumerError, ConsumerHandle, DEAD_LETTER_STREAM,
     DEAD_LETTER_SUBJECT_PREFIX, Delivered, FailureAction, FailureKind, HandlerError, OutboxEvent,
-    OutboxTransactionExt, PreparedOutboxRecord, RetryPolicy, dead_letter_headers, handler_fn,
-    migrate,
+    OutboxTransactionExt, PreparedOutboxRecord, REPLAY_STREAM, REPLAY_SUBJECT_PREFIX, RetryPolicy,
+    dead_letter_headers, handler_fn, migrate,
 };
 use trellis_outbox_tests::nats::{TestStream, jetstream};
 use trellis_outbox_tests::{TestPg, TestSqlite};
@@ -83,6 +83,22 @@ fn shipped(n: u64) -> Vec<u8> {
         n,
     })
     .unwrap()
+}
+
+/// Waits until `find` returns a value, or panics after `within` with `what`.
+async fn eventually_value<T, F, Fut>(within: Duration, what: &str, mut find: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(value) = find().await {
+            return value;
+        }
+        assert!(start.elapsed() < within, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Waits until `done` holds, or panics after `within` with `what`.
@@ -395,6 +411,20 @@ struct Harness {
     db: TestSqlite,
     failures: Failures,
     deliveries: Arc<Mutex<HashMap<String, Vec<u64>>>>,
+    /// What the handler saw of each replayed delivery.
+    replays: Arc<Mutex<Vec<Replayed>>>,
+}
+
+/// A replayed delivery as the handler saw it.
+#[derive(Debug, Clone, PartialEq)]
+struct Replayed {
+    id: String,
+    subject: String,
+    /// Its `Nats-Msg-Id` header.
+    header_id: Option<String>,
+    /// Whether any `Trellis-Dlq-*` header reached the handler.
+    copy_headers: bool,
+    stream_sequence: u64,
 }
 
 impl Harness {
@@ -418,6 +448,7 @@ impl Harness {
             db,
             failures: Arc::default(),
             deliveries: Arc::default(),
+            replays: Arc::default(),
         }
     }
 
@@ -457,10 +488,10 @@ impl Harness {
         fail: fn(&str, u64) -> Option<HandlerError>,
         hang: bool,
     ) -> trellis_outbox::HandlerFn<Sqlite, Shipped> {
-        let deliveries = self.deliveries.clone();
+        let (deliveries, replays) = (self.deliveries.clone(), self.replays.clone());
         handler_fn(
             move |tx: &mut Transaction<'static, Sqlite>, d: Delivered<Shipped>| {
-                let deliveries = deliveries.clone();
+                let (deliveries, replays) = (deliveries.clone(), replays.clone());
                 Box::pin(async move {
                     deliveries
                         .lock()
@@ -468,6 +499,15 @@ impl Harness {
                         .entry(d.id.clone())
                         .or_default()
                         .push(d.delivery);
+                    if d.replayed {
+                        replays.lock().unwrap().push(Replayed {
+                            id: d.id.clone(),
+                            subject: d.subject.clone(),
+                            header_id: d.headers.get("Nats-Msg-Id").cloned(),
+                            copy_headers: d.headers.keys().any(|k| k.starts_with("Trellis-Dlq-")),
+                            stream_sequence: d.stream_sequence,
+                        });
+                    }
                     sqlx::query("INSERT INTO effects (event_id) VALUES (?)")
                         .bind(&d.id)
                         .execute(&mut **tx)
@@ -503,6 +543,14 @@ impl Harness {
 
     async fn end(self) {
         purge_dead_letters(&self.stream.context, &self.name).await;
+        // The consumer's durable on the shared replay stream, and its replays.
+        if let Ok(replays) = self.stream.context.get_stream(REPLAY_STREAM).await {
+            let _ = replays.delete_consumer(&self.name).await;
+            let _ = replays
+                .purge()
+                .filter(format!("{REPLAY_SUBJECT_PREFIX}.{}.>", self.name))
+                .await;
+        }
         self.stream.delete().await;
     }
 }
@@ -1413,36 +1461,48 @@ async fn applied_once(h: &Harness, events: u64) {
     }
 }
 
-/// Whether the handler of `dead_letters_are_listed_and_replayed_once_the_cause_is_fixed` still
-/// has its bug.
+/// Whether the handler of
+/// `dead_letters_are_listed_and_replayed_to_their_consumer_once_the_cause_is_fixed` still has
+/// its bug.
 static BROKEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
-/// Dead letters are listed with what the copy records, and replayed once the handler is
-/// fixed: the message goes back to its subject with its own id, the consumer applies it once,
-/// and the copy is deleted. A copy replayed while the stream still holds its id in the
-/// duplicate window, and a copy without an id, are left in place with the reason.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dead_letters_are_listed_and_replayed_once_the_cause_is_fixed() {
-    let js = jetstream().await;
-    let window = Duration::from_secs(8);
-    let h = Harness::on(
-        TestStream::create(&js, |token| Config {
-            subjects: vec![format!("{token}.>")],
-            duplicate_window: window,
-            ..Config::default()
+/// How many messages `stream` holds on `subject` (a filter), read through an ephemeral
+/// consumer that acknowledges nothing.
+async fn held_on(js: &Context, stream: &str, subject: String) -> u64 {
+    let stream = js.get_stream(stream).await.unwrap();
+    let mut reader = stream
+        .create_consumer(PullConfig {
+            filter_subject: subject,
+            deliver_policy: DeliverPolicy::All,
+            ack_policy: AckPolicy::None,
+            ..PullConfig::default()
         })
-        .await,
-    )
-    .await;
+        .await
+        .unwrap();
+    let pending = reader.info().await.unwrap().num_pending;
+    let name = reader.cached_info().name.clone();
+    let _ = stream.delete_consumer(&name).await;
+    pending
+}
+
+/// Dead letters are listed with what the copy records and replayed to their consumer only:
+/// its stream gets no new message, so no other consumer of the subject sees it again. A
+/// replay while the handler still fails is dead-lettered again as the original message
+/// (its id, subject and sequence); once the handler is fixed, the next replay is applied
+/// once, the handler seeing the message as it was (id, subject, headers). Settled replays
+/// are deleted from the replay stream; a copy without an id is left with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_listed_and_replayed_to_their_consumer_once_the_cause_is_fixed() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let js = jetstream().await;
+    let h = Harness::new().await;
     let consumer = h
         .start(None, |id, _| {
-            (id == "evt-1" && BROKEN.load(std::sync::atomic::Ordering::SeqCst))
+            (id == "evt-1" && BROKEN.load(SeqCst))
                 .then(|| HandlerError::permanent("the handler has a bug"))
         })
         .await;
     publish_shipped(&h, 0, 2).await;
-    // The stream took evt-1 (its duplicate window started) before this.
-    let published = Instant::now();
     publish(&js, h.stream.subject("shipped.o9"), None, shipped(9)).await;
     h.settled().await;
 
@@ -1450,16 +1510,19 @@ async fn dead_letters_are_listed_and_replayed_once_the_cause_is_fixed() {
         .await
         .unwrap();
     assert_eq!(copies.len(), 2, "{copies:?}");
-    let by_kind = |kind: &str| {
+    let by_kind = |copies: &[trellis_outbox::DeadLetter], kind: &str| {
         copies
             .iter()
             .find(|c| c.kind.as_deref() == Some(kind))
             .unwrap_or_else(|| panic!("no {kind} copy in {copies:?}"))
+            .clone()
     };
-    let (bug, no_id) = (by_kind("Handler"), by_kind("MissingId"));
+    let (bug, no_id) = (by_kind(&copies, "Handler"), by_kind(&copies, "MissingId"));
+    let original = h.stream.subject("shipped.o1");
     assert_eq!(bug.message_id.as_deref(), Some("evt-1"));
-    assert_eq!(bug.kind.as_deref(), Some("Handler"));
-    assert_eq!(bug.subject, Some(h.stream.subject("shipped.o1")));
+    assert_eq!(bug.subject.as_deref(), Some(original.as_str()));
+    assert_eq!(bug.stream.as_deref(), Some(h.stream.name.as_str()));
+    let sequence = bug.stream_sequence.unwrap();
     assert_eq!(bug.deliveries, Some(1));
     assert!(
         bug.error
@@ -1482,36 +1545,61 @@ async fn dead_letters_are_listed_and_replayed_once_the_cause_is_fixed() {
         "the limit"
     );
 
-    // Within the stream's duplicate window the publish is dropped: nothing changes.
-    assert!(published.elapsed() < window, "the test ran too slowly");
-    let early = trellis_outbox::replay_dead_letters(&js, &h.name, 10)
+    // Replayed while the bug is still there: it fails again and is dead-lettered again, as
+    // the message it was. Nothing was published to the consumer's own stream.
+    let again = trellis_outbox::replay_dead_letters(&js, &h.name, 10)
         .await
         .unwrap();
-    assert_eq!(early.replayed, 0, "{early:?}");
-    assert_eq!(early.left.len(), 2, "{early:?}");
-    let reason = |sequence: u64| {
-        let left = early.left.iter().find(|l| l.sequence == sequence).unwrap();
-        left.reason.clone()
-    };
+    assert_eq!(again.replayed, 1, "{again:?}");
+    assert_eq!(again.left.len(), 1, "{again:?}");
+    assert_eq!(again.left[0].sequence, no_id.sequence);
     assert!(
-        reason(bug.sequence).contains("duplicate window"),
-        "{early:?}"
+        again.left[0].reason.contains("no `Trellis-Dlq-Msg-Id`"),
+        "{again:?}"
     );
-    assert!(
-        reason(no_id.sequence).contains("no `Trellis-Dlq-Msg-Id`"),
-        "{early:?}"
+    assert_eq!(
+        h.stream.count().await,
+        3,
+        "a replay adds nothing to the stream"
+    );
+    let replays = format!("{REPLAY_SUBJECT_PREFIX}.{}.>", h.name);
+    let copy_again = eventually_value(
+        Duration::from_secs(10),
+        "the replay to fail again",
+        || async {
+            let copies = trellis_outbox::dead_letters(&js, &h.name, 10)
+                .await
+                .unwrap();
+            copies
+                .iter()
+                .find(|c| c.kind.as_deref() == Some("Handler") && c.sequence != bug.sequence)
+                .cloned()
+        },
+    )
+    .await;
+    assert_eq!(copy_again.message_id.as_deref(), Some("evt-1"));
+    assert_eq!(copy_again.subject.as_deref(), Some(original.as_str()));
+    assert_eq!(copy_again.stream.as_deref(), Some(h.stream.name.as_str()));
+    assert_eq!(copy_again.stream_sequence, Some(sequence));
+    assert_eq!(copy_again.deliveries, Some(1));
+    assert_eq!(
+        trellis_outbox::dead_letters(&js, &h.name, 10)
+            .await
+            .unwrap()
+            .iter()
+            .map(|c| c.sequence)
+            .collect::<Vec<_>>(),
+        [no_id.sequence, copy_again.sequence],
+        "the first copy was deleted"
     );
 
-    // The bug is fixed and the window has passed.
-    BROKEN.store(false, std::sync::atomic::Ordering::SeqCst);
-    tokio::time::sleep(window.saturating_sub(published.elapsed()) + Duration::from_secs(1)).await;
+    // Fixed: the next replay is applied once.
+    BROKEN.store(false, SeqCst);
     let report = trellis_outbox::replay_dead_letters(&js, &h.name, 10)
         .await
         .unwrap();
     assert_eq!(report.replayed, 1, "{report:?}");
     assert_eq!(report.left.len(), 1, "{report:?}");
-    assert_eq!(report.left[0].sequence, no_id.sequence);
-    h.settled().await;
     eventually(
         Duration::from_secs(10),
         "the replayed message to be applied",
@@ -1520,9 +1608,23 @@ async fn dead_letters_are_listed_and_replayed_once_the_cause_is_fixed() {
     .await;
     assert_eq!(
         h.deliveries.lock().unwrap()["evt-1"],
-        [1, 1],
-        "a new message each time"
+        [1, 1, 1],
+        "each replay a first delivery"
     );
+    let seen = Replayed {
+        id: "evt-1".into(),
+        subject: original.clone(),
+        header_id: Some("evt-1".into()),
+        copy_headers: false,
+        stream_sequence: sequence,
+    };
+    assert_eq!(*h.replays.lock().unwrap(), [seen.clone(), seen]);
+    eventually(
+        Duration::from_secs(10),
+        "settled replays to be deleted",
+        || async { held_on(&js, REPLAY_STREAM, replays.clone()).await == 0 },
+    )
+    .await;
     let left = trellis_outbox::dead_letters(&js, &h.name, 10)
         .await
         .unwrap();
@@ -1530,6 +1632,7 @@ async fn dead_letters_are_listed_and_replayed_once_the_cause_is_fixed() {
         left.iter().map(|c| c.sequence).collect::<Vec<_>>(),
         [no_id.sequence]
     );
+    assert_eq!(h.stream.count().await, 3);
     assert!(matches!(
         trellis_outbox::replay_dead_letters(&js, "a.b", 10).await,
         Err(ConsumerError::InvalidOptions {
@@ -1538,6 +1641,196 @@ async fn dead_letters_are_listed_and_replayed_once_the_cause_is_fixed() {
         })
     ));
     each_applied_once(h, consumer, 2).await;
+}
+
+/// Replays wait in the replay stream while their consumer is down and are applied when it
+/// starts. A replay stored before (a replay run stopped before it deleted the copy) is not
+/// stored twice: the copy is deleted and counted. A copy whose replay subject holds another
+/// message (the dead-letter stream was recreated, its sequences began again) is left. A
+/// restart with more deliveries raises the replay durable's `max_deliver`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_wait_for_their_consumer_and_are_stored_once() {
+    use std::sync::atomic::Ordering::SeqCst;
+    static FAILING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+    let js = jetstream().await;
+    let h = Harness::new().await;
+    let consumer = h
+        .start(None, |id, _| {
+            (id != "evt-0" && FAILING.load(SeqCst)).then(|| HandlerError::permanent("not yet"))
+        })
+        .await;
+    publish_shipped(&h, 0, 4).await;
+    h.settled().await;
+    consumer.shutdown().await.unwrap();
+    let copies = trellis_outbox::dead_letters(&js, &h.name, 10)
+        .await
+        .unwrap();
+    assert_eq!(copies.len(), 3, "{copies:?}");
+    let id_of = |n: usize| copies[n].message_id.clone().unwrap();
+    let (two, three) = (id_of(1), id_of(2));
+    let on = |n: usize| format!("{REPLAY_SUBJECT_PREFIX}.{}.{}", h.name, copies[n].sequence);
+    let store = |subject: String, headers: HeaderMap, payload: bytes::Bytes| {
+        let js = js.clone();
+        async move {
+            js.publish_with_headers(subject, headers, payload)
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+    };
+    // An earlier replay run stored the second copy's replay, then stopped before deleting
+    // the copy: the same id, `replay:` and the copy's.
+    let copy_id = copies[1].headers.get("Nats-Msg-Id").unwrap().as_str();
+    let earlier = format!("replay:{copy_id}");
+    let mut headers = copies[1].headers.clone();
+    headers.insert("Nats-Msg-Id", earlier.as_str());
+    store(on(1), headers, copies[1].payload.clone()).await;
+    // The third copy's replay subject holds another message.
+    let mut other = HeaderMap::new();
+    other.insert("Nats-Msg-Id", format!("other-{}", h.name).as_str());
+    other.insert(dead_letter_headers::MESSAGE_ID, "evt-other");
+    other.insert(
+        dead_letter_headers::SUBJECT,
+        h.stream.subject("shipped.o99").as_str(),
+    );
+    store(on(2), other, shipped(99).into()).await;
+
+    let report = trellis_outbox::replay_dead_letters(&js, &h.name, 10)
+        .await
+        .unwrap();
+    assert_eq!(report.replayed, 2, "{report:?}");
+    assert_eq!(report.left.len(), 1, "{report:?}");
+    assert_eq!(report.left[0].message_id.as_deref(), Some(three.as_str()));
+    assert!(
+        report.left[0].reason.contains("holds another message"),
+        "{report:?}"
+    );
+    let left = trellis_outbox::dead_letters(&js, &h.name, 10)
+        .await
+        .unwrap();
+    assert_eq!(
+        left.iter().map(|c| c.sequence).collect::<Vec<_>>(),
+        [copies[2].sequence]
+    );
+    let replays = format!("{REPLAY_SUBJECT_PREFIX}.{}.>", h.name);
+    assert_eq!(held_on(&js, REPLAY_STREAM, replays.clone()).await, 3);
+    assert_eq!(held_on(&js, REPLAY_STREAM, on(1)).await, 1, "stored once");
+    let kept = js
+        .get_stream(REPLAY_STREAM)
+        .await
+        .unwrap()
+        .get_last_raw_message_by_subject(&on(1))
+        .await
+        .unwrap();
+    assert_eq!(
+        kept.headers.get("Nats-Msg-Id").map(|v| v.as_str()),
+        Some(earlier.as_str()),
+        "the replay stored before is kept, not replaced"
+    );
+
+    // The consumer starts again, fixed and with more deliveries: the replays are applied,
+    // once each.
+    FAILING.store(false, SeqCst);
+    let consumer = h.start(Some(7), |_, _| None).await;
+    let durable = js
+        .get_stream(REPLAY_STREAM)
+        .await
+        .unwrap()
+        .consumer_info(&h.name)
+        .await
+        .unwrap();
+    assert_eq!(durable.config.max_deliver, 8, "brought up to date");
+    eventually(
+        Duration::from_secs(10),
+        "the replays to be applied",
+        || async {
+            h.effects(&id_of(0)).await == 1
+                && h.effects(&two).await == 1
+                && h.effects("evt-other").await == 1
+        },
+    )
+    .await;
+    eventually(
+        Duration::from_secs(10),
+        "settled replays to be deleted",
+        || async { held_on(&js, REPLAY_STREAM, replays.clone()).await == 0 },
+    )
+    .await;
+    assert_eq!(h.effects(&three).await, 0, "its copy stays");
+    assert_eq!(
+        h.stream.count().await,
+        4,
+        "a replay adds nothing to the stream"
+    );
+    let report = consumer.shutdown().await.unwrap();
+    assert_eq!(report.applied, 3);
+    h.end().await;
+}
+
+/// A consumer started with replays off has no durable reading them: its dead letters are
+/// not replayed (the copies stay), with the reason. A consumer without dead letters is read
+/// at once, without waiting out a fetch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_not_replayed_where_nothing_would_read_them() {
+    let js = jetstream().await;
+    let h = Harness::new().await;
+    let failures = h.failures.clone();
+    let consumer = Consumer::builder(
+        h.stream.context.clone(),
+        h.db.pool.clone(),
+        h.handler(|_, _| Some(HandlerError::permanent("always")), false),
+    )
+    .bind(&h.stream.name, &h.name)
+    .replays(false)
+    .on_error(move |f| failures.lock().unwrap().push(f.clone()))
+    .start()
+    .await
+    .unwrap();
+    publish_shipped(&h, 0, 1).await;
+    h.settled().await;
+    consumer.shutdown().await.unwrap();
+    assert_eq!(
+        trellis_outbox::dead_letters(&js, &h.name, 10)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    match trellis_outbox::replay_dead_letters(&js, &h.name, 10).await {
+        Err(ConsumerError::ReplayRefused { consumer, problem }) => {
+            assert_eq!(consumer, h.name);
+            assert!(problem.contains("no durable"), "{problem}");
+        }
+        other => panic!("expected ReplayRefused, got {other:?}"),
+    }
+    assert_eq!(
+        trellis_outbox::dead_letters(&js, &h.name, 10)
+            .await
+            .unwrap()
+            .len(),
+        1,
+        "the copy stays"
+    );
+    // The dead-letter stream holds copies (this test's), none of this consumer's.
+    let started = Instant::now();
+    let nobody = consumer_name();
+    assert!(
+        trellis_outbox::dead_letters(&js, &nobody, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let report = trellis_outbox::replay_dead_letters(&js, &nobody, 10)
+        .await
+        .unwrap();
+    assert_eq!(report.replayed, 0);
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "read without waiting out a fetch: {:?}",
+        started.elapsed()
+    );
+    h.end().await;
 }
 
 #[tokio::test]

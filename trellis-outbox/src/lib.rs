@@ -107,8 +107,8 @@ pub use crate::consumer::{
     ConsumeFailure, Consumer, ConsumerBuilder, ConsumerError, ConsumerHandle, ConsumerReport,
     DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECT_PREFIX, DEFAULT_ACK_WAIT, DEFAULT_CONSUMER_CONCURRENCY,
     DEFAULT_MAX_DELIVERIES, DeadLetter, Delivered, FailureAction, FailureKind, Handler,
-    HandlerError, HandlerFn, HandlerFuture, NotReplayed, ReplayReport, dead_letter_headers,
-    dead_letters, handler_fn, replay_dead_letters,
+    HandlerError, HandlerFn, HandlerFuture, NotReplayed, REPLAY_STREAM, REPLAY_SUBJECT_PREFIX,
+    ReplayReport, dead_letter_headers, dead_letters, handler_fn, replay_dead_letters,
 };
 pub use crate::descriptor::{
     TRELLIS_EVENT_DESCRIPTOR, event_descriptor_identity, trellis_event_subject,

@@ -153,11 +153,11 @@ enum Command {
         #[arg(long, conflicts_with = "ids")]
         dry_run: bool,
     },
-    /// List a JetStream consumer's dead letters, oldest first, or publish them again with
-    /// --replay (each to its subject, with its own Nats-Msg-Id; a replayed copy is deleted).
-    /// Needs NATS only, no database.
+    /// List a JetStream consumer's dead letters, oldest first, or hand them back to it with
+    /// --replay (to that consumer only, through the stream trellis_consumer_replays; a
+    /// replayed copy is deleted). Needs NATS only, no database.
     #[command(
-        after_help = "Examples:\n  trellis-outbox dead-letters --consumer billing\n  trellis-outbox dead-letters --consumer billing --replay --limit 100\n\nA replay reaches every consumer of the subject: trellis-outbox consumers skip what\ntheir inbox already holds; a consumer without an inbox would apply it again."
+        after_help = "Examples:\n  trellis-outbox dead-letters --consumer billing\n  trellis-outbox dead-letters --consumer billing --replay --limit 100\n\nA replay reaches only the named consumer (no other consumer of the subject sees the\nmessage again); it waits in the replay stream until that consumer runs."
     )]
     DeadLetters {
         /// The durable consumer's name.
@@ -166,7 +166,7 @@ enum Command {
         /// At most this many copies.
         #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
         limit: u64,
-        /// Publish them again instead of listing them.
+        /// Hand them back to the consumer instead of listing them.
         #[arg(long)]
         replay: bool,
         /// Print JSON instead of text.

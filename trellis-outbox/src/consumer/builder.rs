@@ -8,7 +8,7 @@ use std::time::Duration;
 use async_nats::jetstream::Context;
 use async_nats::jetstream::consumer::pull::Config as PullConfig;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
-use async_nats::jetstream::stream::Config as StreamConfig;
+use async_nats::jetstream::stream::{Config as StreamConfig, DiscardPolicy, Stream};
 use serde::de::DeserializeOwned;
 use sqlx::Pool;
 use tokio_util::sync::CancellationToken;
@@ -33,6 +33,25 @@ pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
 pub const DEAD_LETTER_STREAM: &str = "trellis_consumer_dlq";
 /// The prefix of dead-letter subjects: `_trellis.consumer.dlq.<consumer>`.
 pub const DEAD_LETTER_SUBJECT_PREFIX: &str = "_trellis.consumer.dlq";
+/// The stream [`replay_dead_letters`](crate::replay_dead_letters) publishes to, read by the
+/// consumer each replayed message is for only (upstream Trellis' name).
+pub const REPLAY_STREAM: &str = "trellis_consumer_replays";
+/// The prefix of replay subjects: `_trellis.consumer.replay.<consumer>.<dead-letter sequence>`.
+pub const REPLAY_SUBJECT_PREFIX: &str = "_trellis.consumer.replay";
+
+/// [`REPLAY_STREAM`]'s configuration, as upstream Trellis creates it: one message per subject
+/// (each dead letter has a subject of its own), a second one refused while the first is
+/// stored.
+pub(crate) fn replay_stream_config() -> StreamConfig {
+    StreamConfig {
+        name: REPLAY_STREAM.into(),
+        subjects: vec![format!("{REPLAY_SUBJECT_PREFIX}.>")],
+        max_messages_per_subject: 1,
+        discard: DiscardPolicy::New,
+        discard_new_per_subject: true,
+        ..StreamConfig::default()
+    }
+}
 
 /// The most messages one consumer applies at once.
 const MAX_CONCURRENCY: usize = 10_000;
@@ -115,6 +134,7 @@ impl Consumer {
                 ack_wait: DEFAULT_ACK_WAIT,
                 retry: RetryPolicy::new(),
                 dead_letters: true,
+                replays: true,
                 keep_alive: true,
             },
             on_failure: None,
@@ -139,6 +159,7 @@ struct Options {
     ack_wait: Duration,
     retry: RetryPolicy,
     dead_letters: bool,
+    replays: bool,
     keep_alive: bool,
 }
 
@@ -235,6 +256,16 @@ where
         /// they are terminated (default `true`; the stream `trellis_consumer_dlq` is created at
         /// start if missing). Off, they are only reported and terminated.
         dead_letters(enabled: bool) => options.dead_letters;
+        /// Whether the consumer reads its replays (default `true`, with
+        /// [`dead_letters`](Self::dead_letters) on): the messages
+        /// [`replay_dead_letters`](crate::replay_dead_letters) hands back to it on
+        /// `_trellis.consumer.replay.<consumer>.>`. At start it creates the stream
+        /// `trellis_consumer_replays` if missing and creates (or updates) a durable of the
+        /// consumer's name there; while running it deletes each replay it settled. Its NATS
+        /// credentials need those rights (stream info and create, consumer create, message
+        /// delete, pulls and acks on that stream). Off, `replay_dead_letters` refuses to
+        /// replay this consumer's dead letters: nothing would read them.
+        replays(enabled: bool) => options.replays;
         /// Whether a handler that runs long tells JetStream it is still working (an
         /// in-progress ack every half ack wait, from the moment the message is started:
         /// waiting for a pool connection or for the inbox row's lock counts), so the message
@@ -261,14 +292,17 @@ where
         self
     }
 
-    /// Binds or creates the JetStream consumer (and the dead-letter stream), then starts
-    /// consuming on a tokio task.
+    /// Binds or creates the JetStream consumer (and, with dead letters on, the dead-letter
+    /// stream, and with [`replays`](Self::replays) the replay stream and its durable), then
+    /// starts consuming on a tokio task.
     ///
     /// # Errors
     ///
     /// [`ConsumerError::InvalidOptions`] for options out of range or no `bind`/`create`;
     /// [`ConsumerError::Stream`] / [`ConsumerError::Consumer`] when JetStream cannot be
-    /// reached or refuses; [`ConsumerError::Unsuitable`] for a consumer without explicit acks.
+    /// reached or refuses (credentials without the rights [`replays`](Self::replays) needs:
+    /// turn replays off); [`ConsumerError::Unsuitable`] for a consumer without explicit acks,
+    /// or a replay durable whose `max_deliver` could not be raised above `max_deliveries`.
     pub async fn start(self) -> Result<ConsumerHandle, ConsumerError> {
         let target = self.target.clone().ok_or(ConsumerError::InvalidOptions {
             option: "bind/create",
@@ -332,11 +366,21 @@ where
         };
         let progress_every = (config.ack_wait / 2).max(Duration::from_millis(50));
         let keep_alive = self.options.keep_alive.then_some(progress_every);
-        let dead_letter_subject = if self.options.dead_letters {
+        let (dead_letter_subject, replays) = if self.options.dead_letters {
             self.dead_letter_stream().await?;
-            Some(format!("{DEAD_LETTER_SUBJECT_PREFIX}.{}", target.consumer))
+            let replays = match self.options.replays {
+                true => Some(
+                    self.replay_durable(&target.consumer, config.ack_wait, max_deliveries)
+                        .await?,
+                ),
+                false => None,
+            };
+            (
+                Some(format!("{DEAD_LETTER_SUBJECT_PREFIX}.{}", target.consumer)),
+                replays,
+            )
         } else {
-            None
+            (None, None)
         };
         let stats = Arc::new(Stats::default());
         let cancel = CancellationToken::new();
@@ -347,6 +391,7 @@ where
             outbox: self.outbox,
             jetstream: self.jetstream,
             consumer_name: target.consumer,
+            replay_stream: replays.as_ref().map(|(_, stream)| stream.clone()),
             settings: Settings {
                 max_deliveries,
                 retry: self.options.retry,
@@ -362,6 +407,7 @@ where
         let task = tokio::spawn(run::run(
             shared,
             consumer,
+            replays.map(|(consumer, _)| consumer),
             self.options.concurrency,
             cancel.clone(),
         ));
@@ -416,6 +462,63 @@ where
                     .map_err(|e| consumer_error(e.into()))
             }
         }
+    }
+
+    /// Creates, if they do not exist, [`REPLAY_STREAM`] and the durable `consumer` on it that
+    /// reads this consumer's replays (explicit ack, `ack_wait` and one delivery more than
+    /// `max_deliveries`, as the consumers [`create`](Self::create) makes).
+    async fn replay_durable(
+        &self,
+        consumer: &str,
+        ack_wait: Duration,
+        max_deliveries: u32,
+    ) -> Result<(PullConsumer, Stream), ConsumerError> {
+        let filter = super::dead_letters::replay_filter(consumer)?;
+        let stream = self
+            .jetstream
+            .get_or_create_stream(replay_stream_config())
+            .await
+            .map_err(|e| ConsumerError::Stream {
+                stream: REPLAY_STREAM.into(),
+                source: e.into(),
+            })?;
+        // Created or brought up to date: a durable left by an earlier start with fewer
+        // deliveries would give up on a replay before this consumer does.
+        let durable = stream
+            .create_consumer(PullConfig {
+                durable_name: Some(consumer.to_owned()),
+                filter_subject: filter,
+                ack_policy: AckPolicy::Explicit,
+                ack_wait,
+                max_deliver: i64::from(max_deliveries) + 1,
+                ..PullConfig::default()
+            })
+            .await
+            .map_err(|e| ConsumerError::Consumer {
+                stream: REPLAY_STREAM.into(),
+                consumer: consumer.to_owned(),
+                source: e.into(),
+            })?;
+        let config = &durable.cached_info().config;
+        let unsuitable = |problem: String| ConsumerError::Unsuitable {
+            stream: REPLAY_STREAM.into(),
+            consumer: consumer.to_owned(),
+            problem,
+        };
+        if config.ack_policy != AckPolicy::Explicit {
+            return Err(unsuitable(format!(
+                "its ack policy is {:?}; it needs explicit acks",
+                config.ack_policy
+            )));
+        }
+        if config.max_deliver > 0 && config.max_deliver <= i64::from(max_deliveries) {
+            return Err(unsuitable(format!(
+                "its max_deliver of {} is not above max_deliveries ({max_deliveries}), and it \
+                 could not be raised",
+                config.max_deliver
+            )));
+        }
+        Ok((durable, stream))
     }
 
     async fn dead_letter_stream(&self) -> Result<(), ConsumerError> {

@@ -6,12 +6,15 @@ use std::time::{Duration, SystemTime};
 use async_nats::HeaderMap;
 use async_nats::jetstream::consumer::pull::Config as PullConfig;
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer};
-use async_nats::jetstream::context::{GetStreamErrorKind, PublishErrorKind};
+use async_nats::jetstream::context::{ConsumerInfoErrorKind, GetStreamErrorKind, PublishError};
 use async_nats::jetstream::stream::{DeleteMessageErrorKind, Stream};
 use async_nats::jetstream::{Context, ErrorCode, Message};
 use futures_util::StreamExt as _;
 
-use super::builder::{DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECT_PREFIX};
+use super::builder::{
+    DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECT_PREFIX, REPLAY_STREAM, REPLAY_SUBJECT_PREFIX,
+    replay_stream_config,
+};
 use super::error::ConsumerError;
 use super::run::{dead_letter_headers as h, headers_without};
 use crate::dispatch::BoxError;
@@ -19,9 +22,12 @@ use crate::record::NATS_MSG_ID;
 
 /// How many copies one fetch asks for.
 const FETCH: usize = 256;
-/// How long the server may take to answer a fetch, and the client to receive each copy: a
-/// reply lost in a reconnect must not hang the read.
+/// How long the server may hold a fetch open.
 const FETCH_WAIT: Duration = Duration::from_secs(10);
+/// How long the client waits for each copy of a fetch (or its end): longer than the server
+/// holds it, so that only a reply lost in a reconnect, not a server waiting out the fetch,
+/// ends the read with an error.
+const RECEIVE_WAIT: Duration = Duration::from_secs(15);
 /// How long the reading consumer may sit unused before the server deletes it (a replay
 /// publishes and deletes each copy of a batch before it fetches again); `close` deletes it
 /// sooner.
@@ -85,7 +91,8 @@ impl DeadLetter {
         })
     }
 
-    /// Where to replay this copy and with which id, or why replaying it would not help.
+    /// The message's subject and id, which the consumer reads from its replay, or why
+    /// replaying it would not help.
     fn replay_target(&self) -> Result<(&str, &str), String> {
         let Some(id) = &self.message_id else {
             return Err(format!(
@@ -108,12 +115,23 @@ impl DeadLetter {
         Ok((subject, id))
     }
 
-    /// The headers the replayed message carries: the message's own (every value of each),
-    /// its `Nats-Msg-Id` back.
+    /// The headers the replay of this copy carries: the copy's, its `Trellis-Dlq-*` ones
+    /// included (the consumer reads the message's id and subject from them), and `id` (see
+    /// [`replay_id`](Self::replay_id)) as its `Nats-Msg-Id`.
     fn replay_headers(&self, id: &str) -> HeaderMap {
-        let mut headers = headers_without(&self.headers, &["Nats-", "Trellis-Dlq-"]);
+        let mut headers = headers_without(&self.headers, &["Nats-"]);
         headers.insert(NATS_MSG_ID, id);
         headers
+    }
+
+    /// The replay's own `Nats-Msg-Id`: `replay:` and the copy's (`dlq:<consumer>:<stream>:
+    /// <sequence>`, one per message), so that one message's replays share it and no other
+    /// message's does, whatever the copy's sequence.
+    fn replay_id(&self, consumer: &str) -> String {
+        match self.headers.get(NATS_MSG_ID) {
+            Some(copy) => format!("replay:{}", copy.as_str()),
+            None => format!("replay:{consumer}:{}", self.sequence),
+        }
     }
 }
 
@@ -133,14 +151,15 @@ pub struct NotReplayed {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ReplayReport {
-    /// Messages published again and their copies deleted.
+    /// Messages handed back to their consumer (stored in [`REPLAY_STREAM`]) and their copies
+    /// deleted.
     pub replayed: u64,
     /// Copies left in place, oldest first.
     pub left: Vec<NotReplayed>,
 }
 
-/// The dead-letter subject of `consumer`, once its name is known to be one subject token.
-fn subject_of(consumer: &str) -> Result<String, ConsumerError> {
+/// `consumer`, once it is known to be a durable consumer's name: one subject token.
+fn token(consumer: &str) -> Result<&str, ConsumerError> {
     let bad = consumer.is_empty()
         || consumer
             .chars()
@@ -154,7 +173,23 @@ fn subject_of(consumer: &str) -> Result<String, ConsumerError> {
             ),
         });
     }
-    Ok(format!("{DEAD_LETTER_SUBJECT_PREFIX}.{consumer}"))
+    Ok(consumer)
+}
+
+/// The dead-letter subject of `consumer`.
+fn subject_of(consumer: &str) -> Result<String, ConsumerError> {
+    Ok(format!("{DEAD_LETTER_SUBJECT_PREFIX}.{}", token(consumer)?))
+}
+
+/// The subjects of `consumer`'s replays, which its durable on [`REPLAY_STREAM`] reads.
+pub(super) fn replay_filter(consumer: &str) -> Result<String, ConsumerError> {
+    Ok(format!("{REPLAY_SUBJECT_PREFIX}.{}.>", token(consumer)?))
+}
+
+/// The replay subject of `consumer`'s dead letter `sequence`: one per dead letter, so the
+/// stream's one message per subject makes a replay published twice stored once.
+fn replay_subject(consumer: &str, sequence: u64) -> String {
+    format!("{REPLAY_SUBJECT_PREFIX}.{consumer}.{sequence}")
 }
 
 /// The dead-letter stream, or `None` if no consumer ever created it.
@@ -210,11 +245,13 @@ impl Copies {
             })
             .await
             .map_err(stream_error)?;
+        // No copy of this consumer's: nothing to fetch (a fetch would wait out its time).
+        let done = consumer.cached_info().num_pending == 0;
         Ok(Some(Self {
             stream,
             consumer,
             end,
-            done: false,
+            done,
         }))
     }
 
@@ -234,12 +271,12 @@ impl Copies {
             .map_err(stream_error)?;
         let mut any = false;
         loop {
-            let message = match tokio::time::timeout(FETCH_WAIT, batch.next()).await {
+            let message = match tokio::time::timeout(RECEIVE_WAIT, batch.next()).await {
                 Ok(Some(message)) => message.map_err(stream_error)?,
                 Ok(None) => break,
                 Err(_) => {
                     return Err(stream_error(format!(
-                        "no answer to a read of dead letters within {FETCH_WAIT:?}"
+                        "no answer to a read of dead letters within {RECEIVE_WAIT:?}"
                     )));
                 }
             };
@@ -249,8 +286,10 @@ impl Copies {
                 Some(copy) if copy.sequence <= self.end => copies.push(copy),
                 _ => self.done = true,
             }
+            // The last copy there is: the rest of the fetch would only wait out its time.
             if last {
                 self.done = true;
+                break;
             }
         }
         if !any {
@@ -335,34 +374,46 @@ pub async fn dead_letters(
     Ok(out)
 }
 
-/// Publishes durable consumer `consumer`'s dead letters again, oldest first, each to the
-/// subject it was first published to with its own `Nats-Msg-Id` and headers, and deletes each
-/// copy once the stream has acknowledged the message. Run it once the cause is fixed (a
-/// handler's bug, a missing table). At most `limit` messages are published (copies without
-/// a usable id or subject are passed over without counting). Only the copies stored when the
-/// replay starts are replayed: a message that fails again is dead-lettered again, not
-/// replayed in a loop. Copies are read through an ephemeral consumer of
-/// [`DEAD_LETTER_STREAM`] that acknowledges nothing, deleted at the end.
+/// Hands durable consumer `consumer`'s dead letters back to it, oldest first, and deletes
+/// each copy once the replay is stored. Run it once the cause is fixed (a handler's bug, a
+/// missing table). At most `limit` messages are replayed (copies without a usable id or
+/// subject are passed over without counting). Only the copies stored when the replay starts
+/// are replayed: a message that fails again is dead-lettered again, not replayed in a loop.
+/// Copies are read through an ephemeral consumer of [`DEAD_LETTER_STREAM`] that acknowledges
+/// nothing, deleted at the end.
 ///
-/// The message goes back to **every** consumer of that subject, not only to `consumer`. A
-/// trellis-outbox [`Consumer`](super::Consumer) that applied it already finds its id in its
-/// inbox and skips it; a consumer without an inbox would apply it again.
+/// Each message goes to `consumer` **only**: to
+/// `_trellis.consumer.replay.<consumer>.<copy's sequence>` in [`REPLAY_STREAM`] (created if
+/// missing), which that consumer reads beside its own stream (see
+/// [`ConsumerBuilder::dead_letters`](super::ConsumerBuilder::dead_letters)). The other
+/// consumers of the message's subject do not see it again. The consumer applies it as the
+/// message it was: its id (the inbox key), subject and headers are the original's, and
+/// [`Delivered::replayed`](super::Delivered::replayed) is `true`. A replay waits in the stream
+/// until the consumer runs; once settled, the consumer deletes it.
 ///
-/// A copy is left in place, with the reason in [`ReplayReport::left`], when:
-/// * it has no usable message id, or no subject (the consumer would dead-letter it again,
-///   or there is nowhere to send it);
-/// * no stream answered for its subject (none takes it any more, or it is unavailable);
-/// * the stream still holds its id in its duplicate window and drops the publish (replay
-///   it after the window; the id may also be that of an earlier replay whose copy could
-///   not be deleted, which the consumer's inbox absorbs).
+/// A replay published again (a run stopped before it could delete a copy, then run again)
+/// while the first is still stored, or within the stream's duplicate window, is not stored
+/// twice: each copy has its own replay subject, the stream keeps one message per subject, and
+/// the replay's `Nats-Msg-Id` is `replay:` and the copy's. The copy is then deleted and
+/// counted as replayed. (Once the consumer has settled and deleted the first, a second one is
+/// stored and delivered, and the consumer's inbox finds it applied.)
+///
+/// A copy is left in place, with the reason in [`ReplayReport::left`], when it has no usable
+/// message id (the consumer could not de-duplicate it and would dead-letter it again) or no
+/// subject, or when its replay subject holds another message (possible only after the
+/// dead-letter stream was deleted and its sequences began again).
 ///
 /// # Errors
 ///
 /// [`ConsumerError::InvalidOptions`] if `consumer` is not one subject token;
-/// [`ConsumerError::Stream`] if the dead-letter stream cannot be read or a copy deleted;
-/// [`ConsumerError::Replay`] if a message cannot be published (no answer from the server),
-/// with how many were replayed before it. Copies replayed before an error stay replayed;
-/// the rest stay in place.
+/// [`ConsumerError::ReplayRefused`], before anything is replayed, if no durable of
+/// `consumer`'s name reads its replays (the consumer never ran with
+/// [`replays`](super::ConsumerBuilder::replays) on) or the existing replay stream would not
+/// keep a replay until it is read (not one message per subject, or an age limit);
+/// [`ConsumerError::Stream`] if the dead-letter stream cannot be read, a copy deleted, or the
+/// replay stream created; [`ConsumerError::Replay`] if a message cannot be published (no
+/// answer from the server), with how many were replayed before it. Copies replayed before an
+/// error stay replayed; the rest stay in place.
 ///
 /// # Examples
 ///
@@ -386,14 +437,104 @@ pub async fn replay_dead_letters(
     let Some(mut copies) = Copies::open(jetstream, subject).await? else {
         return Ok(report);
     };
-    let outcome = replay(jetstream, consumer, &mut copies, limit, &mut report).await;
+    if copies.done {
+        // No copy of this consumer's: nothing to check either.
+        copies.close().await;
+        return Ok(report);
+    }
+    let outcome = async {
+        let replays = replay_stream(jetstream, consumer).await?;
+        replay(
+            jetstream,
+            &replays,
+            consumer,
+            &mut copies,
+            limit,
+            &mut report,
+        )
+        .await
+    }
+    .await;
     copies.close().await;
     outcome.map(|()| report)
+}
+
+/// [`REPLAY_STREAM`] (created if missing), once it is known to keep every replay until
+/// `consumer` has read it: one message per subject, no age limit, and a durable of
+/// `consumer`'s name reading its replay subjects.
+async fn replay_stream(jetstream: &Context, consumer: &str) -> Result<Stream, ConsumerError> {
+    let refused = |problem: String| ConsumerError::ReplayRefused {
+        consumer: consumer.to_owned(),
+        problem,
+    };
+    let stream_error = |e: BoxError| ConsumerError::Stream {
+        stream: REPLAY_STREAM.into(),
+        source: e,
+    };
+    let stream = jetstream
+        .get_or_create_stream(replay_stream_config())
+        .await
+        .map_err(|e| stream_error(e.into()))?;
+    let config = &stream.cached_info().config;
+    if config.max_messages_per_subject != 1 || !config.discard_new_per_subject {
+        return Err(refused(format!(
+            "stream {REPLAY_STREAM} does not keep one message per subject (max_messages_per_subject \
+             {}, discard_new_per_subject {}): a replay could be stored twice or replaced",
+            config.max_messages_per_subject, config.discard_new_per_subject
+        )));
+    }
+    if !config.max_age.is_zero() {
+        return Err(refused(format!(
+            "stream {REPLAY_STREAM} drops messages after {:?}: a replay could expire unread",
+            config.max_age
+        )));
+    }
+    let filter = replay_filter(consumer)?;
+    match stream.consumer_info(consumer).await {
+        Ok(info) if info.config.filter_subject == filter => Ok(stream),
+        Ok(info) => Err(refused(format!(
+            "the durable `{consumer}` on {REPLAY_STREAM} reads `{}`, not `{filter}`",
+            info.config.filter_subject
+        ))),
+        Err(error) if matches!(error.kind(), ConsumerInfoErrorKind::NotFound) => {
+            Err(refused(format!(
+                "no durable `{consumer}` on {REPLAY_STREAM} reads its replays: start the consumer \
+             (this version, dead letters and replays on) first; the copies stay"
+            )))
+        }
+        Err(error) => Err(stream_error(error.into())),
+    }
+}
+
+/// Whether `error` is the replay stream refusing a second message on a replay subject.
+fn stored_before(error: &PublishError) -> bool {
+    std::error::Error::source(error)
+        .and_then(|source| source.downcast_ref::<async_nats::jetstream::Error>())
+        .is_some_and(|error| {
+            error.error_code() == ErrorCode::STREAM_STORE_FAILED
+                && error.to_string().contains("per subject")
+        })
+}
+
+/// Whether the replay stored on `subject` is the one with id `id`; `None` if it cannot be read
+/// (gone meanwhile: read and deleted by the consumer).
+async fn stored_is(replays: &Stream, subject: &str, id: &str) -> Option<bool> {
+    let stored = replays
+        .get_last_raw_message_by_subject(subject)
+        .await
+        .ok()?;
+    Some(
+        stored
+            .headers
+            .get(NATS_MSG_ID)
+            .is_some_and(|stored| stored.as_str() == id),
+    )
 }
 
 /// The loop of [`replay_dead_letters`] over `copies`.
 async fn replay(
     jetstream: &Context,
+    replays: &Stream,
     consumer: &str,
     copies: &mut Copies,
     limit: usize,
@@ -410,61 +551,73 @@ async fn replay(
                 // Read ahead of the limit: left as it is, and not reported.
                 break;
             }
-            let leave = |reason: String| NotReplayed {
-                sequence: copy.sequence,
-                message_id: copy.message_id.clone(),
-                reason,
-            };
-            let (target, id) = match copy.replay_target() {
+            let (subject, id) = match copy.replay_target() {
                 Ok(target) => target,
                 Err(reason) => {
-                    report.left.push(leave(reason));
+                    report.left.push(NotReplayed {
+                        sequence: copy.sequence,
+                        message_id: copy.message_id.clone(),
+                        reason,
+                    });
                     continue;
                 }
             };
             published += 1;
+            let target = replay_subject(consumer, copy.sequence);
+            let replay_id = copy.replay_id(consumer);
             let replay_error = |source: BoxError| ConsumerError::Replay {
                 sequence: copy.sequence,
-                subject: target.to_owned(),
+                subject: target.clone(),
                 replayed: report.replayed,
                 source,
             };
             let sent = jetstream
                 .publish_with_headers(
-                    target.to_owned(),
-                    copy.replay_headers(id),
+                    target.clone(),
+                    copy.replay_headers(&replay_id),
                     copy.payload.clone(),
                 )
                 .await
                 .map_err(|e| replay_error(e.into()))?
                 .await;
-            let ack = match sent {
-                Ok(ack) => ack,
-                Err(error) if matches!(error.kind(), PublishErrorKind::StreamNotFound) => {
-                    report.left.push(leave(format!(
-                        "no stream answered for subject `{target}` (none takes it any more, or \
-                         it is unavailable)"
-                    )));
-                    continue;
+            // A duplicate (same id within the stream's window) is this message's replay,
+            // stored before. A refusal (a message on the subject already) is too only if the
+            // stored one has this id: after the dead-letter stream was recreated, a sequence
+            // may name another message.
+            let again = match sent {
+                Ok(ack) => ack.duplicate,
+                Err(error) if stored_before(&error) => {
+                    match stored_is(replays, &target, &replay_id).await {
+                        Some(true) => true,
+                        found => {
+                            report.left.push(NotReplayed {
+                                sequence: copy.sequence,
+                                message_id: copy.message_id.clone(),
+                                reason: match found {
+                                    Some(_) => format!(
+                                        "its replay subject `{target}` holds another message \
+                                         (the dead-letter stream was recreated?); the copy stays"
+                                    ),
+                                    None => format!(
+                                        "its replay subject `{target}` refused it while holding \
+                                         a message that is gone now; replay again"
+                                    ),
+                                },
+                            });
+                            continue;
+                        }
+                    }
                 }
                 Err(error) => return Err(replay_error(error.into())),
             };
-            if ack.duplicate {
-                report.left.push(leave(format!(
-                    "stream `{}` still holds id {id:?} in its duplicate window and dropped the \
-                     publish; replay it after the window",
-                    ack.stream
-                )));
-                continue;
-            }
             copies.delete(copy.sequence).await?;
             report.replayed += 1;
             tracing::info!(
                 consumer,
                 message_id = %id,
-                subject = %target,
-                stream = %ack.stream,
-                sequence = ack.sequence,
+                subject = %subject,
+                replay_subject = %target,
+                stored_before = again,
                 "dead letter replayed"
             );
         }

@@ -20,8 +20,14 @@ pub struct Delivered<E> {
     pub subject: String,
     /// The message's headers (the first value of each).
     pub headers: BTreeMap<String, String>,
-    /// Which delivery this is: 1 the first, more after failures or lost acks.
+    /// Which delivery this is: 1 the first, more after failures or lost acks (a replay
+    /// counts its own deliveries from 1).
     pub delivery: u64,
-    /// The message's sequence in its stream.
+    /// The message's sequence in its stream (a replay's: the original message's, as its
+    /// dead-letter copy recorded it).
     pub stream_sequence: u64,
+    /// Whether this is a dead letter handed back by
+    /// [`replay_dead_letters`](crate::replay_dead_letters). Its `id`, `subject` and `headers`
+    /// are the original message's.
+    pub replayed: bool,
 }

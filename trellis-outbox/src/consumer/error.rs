@@ -57,22 +57,32 @@ pub enum ConsumerError {
         #[source]
         source: BoxError,
     },
-    /// A dead letter could not be published again
+    /// A dead letter could not be replayed
     /// ([`replay_dead_letters`](crate::replay_dead_letters)); its copy and the ones after it
     /// stay in place.
     #[error(
-        "dead letter {sequence} could not be published again to `{subject}` ({replayed} replayed before it)"
+        "dead letter {sequence} could not be replayed to `{subject}` ({replayed} replayed before it)"
     )]
     Replay {
         /// The copy's sequence in the dead-letter stream.
         sequence: u64,
-        /// The subject it was published to.
+        /// The replay subject it was published to.
         subject: String,
         /// How many dead letters this replay had replayed before it.
         replayed: u64,
         /// The client's or server's error.
         #[source]
         source: BoxError,
+    },
+    /// [`replay_dead_letters`](crate::replay_dead_letters) replayed nothing: the replay
+    /// stream would not keep the replays until the consumer reads them, or no durable of the
+    /// consumer's reads them (the consumer never started with replays on). Every copy stays.
+    #[error("the dead letters of `{consumer}` were not replayed: {problem}")]
+    ReplayRefused {
+        /// The consumer.
+        consumer: String,
+        /// Why.
+        problem: String,
     },
 }
 
@@ -141,8 +151,12 @@ pub struct ConsumeFailure {
     pub consumer: String,
     /// The message id, if it had one.
     pub id: Option<String>,
-    /// The message's stream sequence.
+    /// The message's stream sequence (a replay's: the original message's).
     pub stream_sequence: u64,
+    /// For a replay ([`replay_dead_letters`](crate::replay_dead_letters)): its sequence in
+    /// [`REPLAY_STREAM`](crate::REPLAY_STREAM), where a replay terminated without a copy
+    /// stays.
+    pub replay_sequence: Option<u64>,
     /// Which delivery failed.
     pub delivery: u64,
     /// What went wrong.
@@ -165,6 +179,9 @@ impl fmt::Display for ConsumeFailure {
             self.kind,
             self.error
         )?;
+        if let Some(sequence) = self.replay_sequence {
+            write!(f, " (a replay: sequence {sequence} of the replay stream)")?;
+        }
         match self.action {
             FailureAction::Redeliver { after } => write!(f, "; redelivery in {after:?}"),
             FailureAction::WaitForDatabase => f.write_str(

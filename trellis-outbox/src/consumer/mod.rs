@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use builder::{
     Consumer, ConsumerBuilder, DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECT_PREFIX, DEFAULT_ACK_WAIT,
-    DEFAULT_CONSUMER_CONCURRENCY, DEFAULT_MAX_DELIVERIES,
+    DEFAULT_CONSUMER_CONCURRENCY, DEFAULT_MAX_DELIVERIES, REPLAY_STREAM, REPLAY_SUBJECT_PREFIX,
 };
 pub use dead_letters::{DeadLetter, NotReplayed, ReplayReport, dead_letters, replay_dead_letters};
 pub use delivered::Delivered;

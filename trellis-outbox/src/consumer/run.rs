@@ -39,7 +39,7 @@ pub mod dead_letter_headers {
     pub const STREAM: &str = "Trellis-Dlq-Stream";
     /// Its sequence there.
     pub const STREAM_SEQUENCE: &str = "Trellis-Dlq-Stream-Sequence";
-    /// The subject it was published to (replay publishes there again).
+    /// The subject it was published to (a replay hands the message its subject back).
     pub const SUBJECT: &str = "Trellis-Dlq-Subject";
     /// How many deliveries it had.
     pub const DELIVERIES: &str = "Trellis-Dlq-Deliveries";
@@ -205,6 +205,9 @@ pub(crate) struct Shared<DB: OutboxDatabase, E, H> {
     pub(crate) outbox: Outbox,
     pub(crate) jetstream: Context,
     pub(crate) consumer_name: String,
+    /// [`REPLAY_STREAM`](super::REPLAY_STREAM), when dead letters are on: replays are deleted
+    /// from it once settled.
+    pub(crate) replay_stream: Option<async_nats::jetstream::stream::Stream>,
     pub(crate) settings: Settings,
     pub(crate) on_failure: Option<super::builder::OnFailure>,
     pub(crate) stats: Arc<Stats>,
@@ -235,10 +238,14 @@ async fn pull(
         .await
 }
 
-/// Pulls until cancelled, at most `concurrency` messages in hand; then waits for those.
+/// Pulls from `consumer` (and from `replays`, the consumer's durable on the replay stream,
+/// when dead letters are on) until cancelled, at most `concurrency` messages in hand from
+/// both; then waits for those. The two are pulled by separate loops that share the slots, so
+/// that a replay stream in trouble never holds up the consumer's own.
 pub(crate) async fn run<DB, E, H>(
     shared: Arc<Shared<DB, E, H>>,
-    mut consumer: PullConsumer,
+    consumer: PullConsumer,
+    replays: Option<PullConsumer>,
     concurrency: usize,
     cancel: CancellationToken,
 ) -> Result<(), ConsumerError>
@@ -247,76 +254,19 @@ where
     E: DeserializeOwned + Send + 'static,
     H: Handler<DB, E>,
 {
-    let pull_error = |source: async_nats::Error| ConsumerError::Pull {
-        consumer: shared.consumer_name.clone(),
-        source,
+    let own = Pulled::start(consumer, Source::Stream, concurrency, &shared).await?;
+    let replayed = match replays {
+        // Replays are rare: pulled one at a time.
+        Some(replays) => Some(Pulled::start(replays, Source::Replays, 1, &shared).await?),
+        None => None,
     };
-    let mut messages = pull(&consumer, concurrency)
-        .await
-        .map_err(|e| pull_error(e.into()))?;
     let permits = Arc::new(Semaphore::new(concurrency));
-    let mut tasks = JoinSet::new();
-    loop {
-        let permit = tokio::select! {
-            biased;
-            () = cancel.cancelled() => break,
-            permit = permits.clone().acquire_owned() => match permit {
-                Ok(permit) => permit,
-                Err(_) => break,
-            },
-        };
-        let next = tokio::select! {
-            biased;
-            () = cancel.cancelled() => break,
-            next = messages.next() => next,
-        };
-        match next {
-            Some(Ok(message)) => {
-                let shared = shared.clone();
-                let in_hand = InHand::new(shared.stats.clone());
-                tasks.spawn(async move {
-                    in_hand.track(process(&shared, message)).await;
-                    drop(in_hand);
-                    drop(permit);
-                });
-            }
-            Some(Err(err)) => {
-                tracing::warn!(consumer = %shared.consumer_name, error = %err, "pulling messages failed; pulling again");
-                tokio::time::sleep(PULL_RETRY).await;
-            }
-            // async-nats ends the stream for good after some server replies (the consumer
-            // was deleted or is push based, a pull it refused) and when the client closes.
-            // Ending here would stop consuming while the handle reports nothing: start a new
-            // stream instead, as often as it takes, saying so each time.
-            None => {
-                tracing::error!(consumer = %shared.consumer_name, "the message stream ended; starting a new one");
-                tokio::select! {
-                    biased;
-                    () = cancel.cancelled() => break,
-                    () = tokio::time::sleep(PULL_RETRY) => {}
-                }
-                // The durable may have been replaced with other limits (`max_batch`,
-                // `max_expires`): pulling with the old ones would be refused again, forever.
-                if let Err(err) = consumer.info().await {
-                    tracing::warn!(consumer = %shared.consumer_name, error = %err, "cannot read the consumer's settings; pulling with the last known ones");
-                }
-                match pull(&consumer, concurrency).await {
-                    Ok(fresh) => messages = fresh,
-                    Err(err) => {
-                        tracing::error!(consumer = %shared.consumer_name, error = %err, "cannot pull messages; trying again");
-                    }
-                }
-            }
+    let from_replays = async {
+        if let Some(replayed) = replayed {
+            replayed.run(&shared, &permits, &cancel).await;
         }
-        while tasks.try_join_next().is_some() {}
-    }
-    // Messages pulled but not started are redelivered by the server after their ack wait.
-    drop(messages);
-    while let Some(joined) = tasks.join_next().await {
-        if let Err(err) = joined {
-            tracing::error!(consumer = %shared.consumer_name, error = %err, "a message task ended abnormally");
-        }
-    }
+    };
+    tokio::join!(own.run(&shared, &permits, &cancel), from_replays);
     // Acks, naks and terms are only queued on the connection: send them before `shutdown`
     // returns, or a process exiting right after it loses them (a lost term dead-letters the
     // message again).
@@ -324,6 +274,154 @@ where
         tracing::warn!(consumer = %shared.consumer_name, error = %err, "flushing the last acknowledgements failed");
     }
     Ok(())
+}
+
+/// Where a message was pulled from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    /// The consumer's own stream.
+    Stream,
+    /// Its durable on [`REPLAY_STREAM`](super::REPLAY_STREAM): a dead letter replayed.
+    Replays,
+}
+
+/// A durable pulled from: the consumer, its message stream and how many messages it pulls at
+/// once.
+struct Pulled {
+    consumer: PullConsumer,
+    messages: async_nats::jetstream::consumer::pull::Stream,
+    from: Source,
+    batch: usize,
+}
+
+/// The longest pause between two tries to pull again after the message stream ended.
+const MAX_PULL_RETRY: Duration = Duration::from_secs(30);
+
+impl Pulled {
+    async fn start<DB: OutboxDatabase, E, H>(
+        consumer: PullConsumer,
+        from: Source,
+        batch: usize,
+        shared: &Shared<DB, E, H>,
+    ) -> Result<Self, ConsumerError> {
+        let messages = pull(&consumer, batch)
+            .await
+            .map_err(|e| ConsumerError::Pull {
+                consumer: match from {
+                    Source::Stream => shared.consumer_name.clone(),
+                    Source::Replays => format!(
+                        "{} (its replays, stream {})",
+                        shared.consumer_name,
+                        super::REPLAY_STREAM
+                    ),
+                },
+                source: e.into(),
+            })?;
+        Ok(Self {
+            consumer,
+            messages,
+            from,
+            batch,
+        })
+    }
+
+    /// Pulls until cancelled, each message applied on a task of its own once one of
+    /// `permits` is free (taken after the message arrived: a loop waiting for messages holds
+    /// no slot); then waits for its tasks.
+    async fn run<DB, E, H>(
+        mut self,
+        shared: &Arc<Shared<DB, E, H>>,
+        permits: &Arc<Semaphore>,
+        cancel: &CancellationToken,
+    ) where
+        DB: OutboxDatabase,
+        E: DeserializeOwned + Send + 'static,
+        H: Handler<DB, E>,
+    {
+        let from = self.from;
+        let mut tasks = JoinSet::new();
+        let mut pause = PULL_RETRY;
+        // When the current message stream began: one that lasted resets the back-off.
+        let mut since = tokio::time::Instant::now();
+        loop {
+            let next = tokio::select! {
+                biased;
+                () = cancel.cancelled() => break,
+                next = self.messages.next() => next,
+            };
+            match next {
+                Some(Ok(message)) => {
+                    let permit = tokio::select! {
+                        biased;
+                        // Not started: the server redelivers it after its ack wait.
+                        () = cancel.cancelled() => break,
+                        permit = permits.clone().acquire_owned() => match permit {
+                            Ok(permit) => permit,
+                            Err(_) => break,
+                        },
+                    };
+                    let shared = shared.clone();
+                    let in_hand = InHand::new(shared.stats.clone());
+                    tasks.spawn(async move {
+                        in_hand.track(process(&shared, message, from)).await;
+                        drop(in_hand);
+                        drop(permit);
+                    });
+                }
+                Some(Err(err)) => {
+                    tracing::warn!(consumer = %shared.consumer_name, ?from, error = %err, "pulling messages failed; pulling again");
+                    tokio::select! {
+                        biased;
+                        () = cancel.cancelled() => break,
+                        () = tokio::time::sleep(PULL_RETRY) => {}
+                    }
+                }
+                // async-nats ends the stream for good after some server replies (the consumer
+                // was deleted or is push based, a pull it refused) and when the client closes.
+                // Ending here would stop consuming while the handle reports nothing: start a
+                // new stream instead, as often as it takes (backing off to 30 s), saying so
+                // each time.
+                None => {
+                    tracing::error!(consumer = %shared.consumer_name, ?from, "the message stream ended; starting a new one");
+                    if since.elapsed() > MAX_PULL_RETRY {
+                        pause = PULL_RETRY;
+                    }
+                    tokio::select! {
+                        biased;
+                        () = cancel.cancelled() => break,
+                        () = tokio::time::sleep(pause) => {}
+                    }
+                    pause = (pause * 2).min(MAX_PULL_RETRY);
+                    self.restart(shared).await;
+                    since = tokio::time::Instant::now();
+                }
+            }
+            while tasks.try_join_next().is_some() {}
+        }
+        // Messages pulled but not started are redelivered by the server after their ack wait.
+        drop(self.messages);
+        while let Some(joined) = tasks.join_next().await {
+            if let Err(err) = joined {
+                tracing::error!(consumer = %shared.consumer_name, error = %err, "a message task ended abnormally");
+            }
+        }
+    }
+
+    /// A new message stream after the last one ended.
+    async fn restart<DB: OutboxDatabase, E, H>(&mut self, shared: &Shared<DB, E, H>) {
+        let from = self.from;
+        // The durable may have been replaced with other limits (`max_batch`, `max_expires`):
+        // pulling with the old ones would be refused again, forever.
+        if let Err(err) = self.consumer.info().await {
+            tracing::warn!(consumer = %shared.consumer_name, ?from, error = %err, "cannot read the consumer's settings; pulling with the last known ones");
+        }
+        match pull(&self.consumer, self.batch).await {
+            Ok(fresh) => self.messages = fresh,
+            Err(err) => {
+                tracing::error!(consumer = %shared.consumer_name, ?from, error = %err, "cannot pull messages; trying again");
+            }
+        }
+    }
 }
 
 /// `headers` (every value of each) without those whose name starts with one of `prefixes`,
@@ -351,6 +449,15 @@ pub(super) fn headers_without(headers: &HeaderMap, prefixes: &[&str]) -> HeaderM
 struct Origin<'m> {
     message: &'m Message,
     id: Option<String>,
+    /// The subject the message was published to (a replay's is in its headers).
+    subject: String,
+    /// Where it was pulled from.
+    from: Source,
+    /// The stream the message was published to and its sequence there (a replay's are in
+    /// its headers).
+    original: (String, u64),
+    /// The stream it was pulled from (for a replay: the replay stream) and its sequence
+    /// there.
     stream: String,
     stream_sequence: u64,
     delivery: u64,
@@ -398,7 +505,34 @@ enum Applied {
     Duplicate,
 }
 
-async fn process<DB, E, H>(shared: &Shared<DB, E, H>, message: Message)
+/// Applies one message and settles it; a replay is then deleted from the replay stream.
+async fn process<DB, E, H>(shared: &Shared<DB, E, H>, message: Message, from: Source)
+where
+    DB: OutboxDatabase,
+    E: DeserializeOwned + Send + 'static,
+    H: Handler<DB, E>,
+{
+    let done = settle_message(shared, &message, from).await;
+    if from == Source::Replays
+        && done
+        && let Some(replays) = &shared.replay_stream
+        && let Ok(info) = message.info()
+    {
+        // Best effort: a replay left behind is only stored, never delivered again.
+        if let Err(err) = replays.delete_message(info.stream_sequence).await {
+            tracing::debug!(consumer = %shared.consumer_name, error = %err, "could not delete a settled replay");
+        }
+    }
+}
+
+/// Applies `message` and acknowledges, naks or terminates it; `true` if it is done with and
+/// held nowhere else but where it came from: applied (or a duplicate), or copied to the dead
+/// letters. Not when it will be delivered again, nor when it was terminated without a copy.
+async fn settle_message<DB, E, H>(
+    shared: &Shared<DB, E, H>,
+    message: &Message,
+    from: Source,
+) -> bool
 where
     DB: OutboxDatabase,
     E: DeserializeOwned + Send + 'static,
@@ -412,14 +546,47 @@ where
         ),
         Err(_) => (String::new(), 0, 1),
     };
-    let headers = first_values(message.headers.as_ref());
+    let mut headers = first_values(message.headers.as_ref());
+    // A replay carries the message's id, subject and stream sequence in its copy's headers;
+    // the handler sees the message as it was.
+    let (id_header, subject, original) = match from {
+        Source::Stream => (
+            NATS_MSG_ID,
+            message.subject.to_string(),
+            (stream.clone(), stream_sequence),
+        ),
+        Source::Replays => {
+            use dead_letter_headers as h;
+            let subject = headers
+                .get(h::SUBJECT)
+                .cloned()
+                .unwrap_or_else(|| message.subject.to_string());
+            let original = match (
+                headers.get(h::STREAM),
+                headers
+                    .get(h::STREAM_SEQUENCE)
+                    .and_then(|sequence| sequence.parse().ok()),
+            ) {
+                (Some(stream), Some(sequence)) => (stream.clone(), sequence),
+                _ => (stream.clone(), stream_sequence),
+            };
+            (h::MESSAGE_ID, subject, original)
+        }
+    };
+    let original_sequence = original.1;
     let id = headers
-        .get(NATS_MSG_ID)
+        .get(id_header)
         .filter(|id| crate::wire::id_problem(id).is_none())
         .cloned();
+    if from == Source::Replays {
+        as_replayed(&mut headers, id.as_deref());
+    }
     let mut at = Origin {
-        message: &message,
+        message,
         id: id.clone(),
+        subject: subject.clone(),
+        from,
+        original,
         stream,
         stream_sequence,
         delivery,
@@ -441,7 +608,7 @@ where
     let applied = loop {
         // Decoded for each attempt: the handler takes the event, and an attempt the database
         // turned away is made again once it answers.
-        let event: E = match decode(&message) {
+        let event: E = match decode(message) {
             Ok(event) => event,
             Err(failure) => return give_up(shared, &mut at, failure).await,
         };
@@ -449,12 +616,17 @@ where
             event,
             id: id.clone(),
             time,
-            subject: message.subject.to_string(),
-            headers: headers
-                .take()
-                .unwrap_or_else(|| first_values(message.headers.as_ref())),
+            subject: subject.clone(),
+            headers: headers.take().unwrap_or_else(|| {
+                let mut headers = first_values(message.headers.as_ref());
+                if from == Source::Replays {
+                    as_replayed(&mut headers, Some(&id));
+                }
+                headers
+            }),
             delivery,
-            stream_sequence,
+            stream_sequence: original_sequence,
+            replayed: from == Source::Replays,
         };
         let span = consume_span(&shared.consumer_name, &delivered);
         let started = std::time::Instant::now();
@@ -464,7 +636,7 @@ where
             true => Some(shared.settings.progress_every),
             false => shared.settings.keep_alive,
         };
-        let attempt = apply(shared, &message, &id, delivered, keep_alive).instrument(span);
+        let attempt = apply(shared, message, &id, delivered, keep_alive).instrument(span);
         let applied = if held {
             tokio::select! {
                 biased;
@@ -491,12 +663,12 @@ where
                 if failure.unavailable
                     && !held
                     && !shared.cancel.is_cancelled()
-                    && !database_answers(shared, &message).await =>
+                    && !database_answers(shared, message).await =>
             {
                 held = true;
                 bump(&shared.stats.database_waits);
                 report(shared, &at, &failure, FailureAction::WaitForDatabase);
-                if !wait_for_database(shared, &message).await {
+                if !wait_for_database(shared, message).await {
                     // Shut down meanwhile: settled as any failed delivery.
                     break Err(failure);
                 }
@@ -518,12 +690,30 @@ where
                     Failure::new(FailureKind::Ack, crate::chain::error_chain(&*err), true);
                 report(shared, &at, &failure, FailureAction::None);
             }
+            true
         }
         Err(failure) if failure.retryable && shared.settings.redelivers(delivery) => {
             let after = shared.settings.delay_after(delivery);
             redeliver(shared, &at, &failure, after).await;
+            false
         }
         Err(failure) => give_up(shared, &mut at, failure).await,
+    }
+}
+
+/// The headers a handler sees of a replay: the message's own, without the dead-letter copy's
+/// `Trellis-Dlq-*` ones, with the message's id as `Nats-Msg-Id` (the replay's own id is not
+/// the message's).
+fn as_replayed(headers: &mut BTreeMap<String, String>, id: Option<&str>) {
+    const COPY: &str = "Trellis-Dlq-";
+    headers.retain(|name, _| {
+        !name
+            .get(..COPY.len())
+            .is_some_and(|start| start.eq_ignore_ascii_case(COPY))
+    });
+    headers.retain(|name, _| !name.eq_ignore_ascii_case(NATS_MSG_ID));
+    if let Some(id) = id {
+        headers.insert(NATS_MSG_ID.to_owned(), id.to_owned());
     }
 }
 
@@ -747,12 +937,13 @@ struct CopyTooLarge {
     max_payload: usize,
 }
 
-/// Dead-letters (when enabled) and terminates a message that will not be applied.
+/// Dead-letters (when enabled) and terminates a message that will not be applied; `true` if
+/// it was copied to the dead letters (a replay of it may then be deleted: the copy holds it).
 async fn give_up<DB: OutboxDatabase, E, H>(
     shared: &Shared<DB, E, H>,
     at: &mut Origin<'_>,
     failure: Failure,
-) {
+) -> bool {
     let action = match &shared.settings.dead_letter_subject {
         None => FailureAction::Terminated,
         Some(subject) => match dead_letter(shared, at, &failure, subject).await {
@@ -770,14 +961,15 @@ async fn give_up<DB: OutboxDatabase, E, H>(
                 if !err.is::<CopyTooLarge>() && shared.settings.redelivers(at.delivery) {
                     // Try the whole message again later rather than lose the copy.
                     let after = shared.settings.delay_after(at.delivery);
-                    return redeliver(shared, at, &copy_failed, after).await;
+                    redeliver(shared, at, &copy_failed, after).await;
+                    return false;
                 }
                 report(shared, at, &copy_failed, FailureAction::Terminated);
                 shared
                     .stats
                     .settle(&shared.consumer_name, Settled::Terminated);
                 let _ = at.message.ack_with(AckKind::Term).await;
-                return;
+                return false;
             }
         },
     };
@@ -793,6 +985,7 @@ async fn give_up<DB: OutboxDatabase, E, H>(
     if let Err(err) = at.message.ack_with(AckKind::Term).await {
         tracing::warn!(consumer = %shared.consumer_name, error = %err, "terminating a message failed");
     }
+    matches!(action, FailureAction::DeadLettered)
 }
 
 async fn dead_letter<DB: OutboxDatabase, E, H>(
@@ -809,23 +1002,26 @@ async fn dead_letter<DB: OutboxDatabase, E, H>(
     };
     headers.insert(h::KIND, format!("{:?}", failure.kind).as_str());
     headers.insert(h::CONSUMER, shared.consumer_name.as_str());
-    headers.insert(h::STREAM, at.stream.as_str());
-    headers.insert(h::STREAM_SEQUENCE, at.stream_sequence.to_string().as_str());
-    headers.insert(h::SUBJECT, at.message.subject.as_str());
+    headers.insert(h::STREAM, at.original.0.as_str());
+    headers.insert(h::STREAM_SEQUENCE, at.original.1.to_string().as_str());
+    headers.insert(h::SUBJECT, at.subject.as_str());
     headers.insert(h::DELIVERIES, at.delivery.to_string().as_str());
     if let Some(id) = &at.id {
         headers.insert(h::MESSAGE_ID, id.as_str());
-    } else if let Some(raw) = at.message.headers.as_ref().and_then(|original| {
-        original
-            .iter()
-            .find(|(name, _)| name.to_string().eq_ignore_ascii_case(NATS_MSG_ID))
-            .and_then(|(_, values)| values.first())
-    }) {
+    } else if at.from == Source::Stream
+        && let Some(raw) = at.message.headers.as_ref().and_then(|original| {
+            original
+                .iter()
+                .find(|(name, _)| name.to_string().eq_ignore_ascii_case(NATS_MSG_ID))
+                .and_then(|(_, values)| values.first())
+        })
+    {
         // An id that could not be used (blank, surrounded by spaces, …) is kept as it came:
         // the copy drops every `Nats-*` header.
         headers.insert(h::MESSAGE_ID, raw.clone());
     }
-    // One copy per message and consumer, even if this publish is repeated.
+    // One copy per message and consumer, even if this publish is repeated (a failed replay
+    // gets a copy of its own: its place in the replay stream names it).
     headers.insert(
         NATS_MSG_ID,
         format!(
@@ -872,7 +1068,8 @@ fn report<DB: OutboxDatabase, E, H>(
     let report = ConsumeFailure {
         consumer: shared.consumer_name.clone(),
         id: at.id.clone(),
-        stream_sequence: at.stream_sequence,
+        stream_sequence: at.original.1,
+        replay_sequence: (at.from == Source::Replays).then_some(at.stream_sequence),
         delivery: at.delivery,
         kind: failure.kind,
         error: failure.error.clone(),
