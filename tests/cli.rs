@@ -791,7 +791,12 @@ async fn dead_letters_are_listed_and_replayed() {
     assert_eq!(first.payload.as_ref(), b"{\"n\":7}");
     assert_eq!(
         first_headers.get("Nats-Msg-Id").unwrap().as_str(),
-        format!("replay:{consumer}:{seven}")
+        format!("replay:{consumer}:evt-7:{seven}"),
+        "a copy without its own id: the consumer, the message's id and the copy's sequence"
+    );
+    assert!(
+        first_headers.get(h::ERROR).is_none(),
+        "the error text stays with the copy"
     );
     assert_eq!(first_headers.get(h::MESSAGE_ID).unwrap().as_str(), "evt-7");
     assert_eq!(

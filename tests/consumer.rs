@@ -1647,7 +1647,7 @@ async fn dead_letters_are_listed_and_replayed_to_their_consumer_once_the_cause_i
 /// starts. A replay stored before (a replay run stopped before it deleted the copy) is not
 /// stored twice: the copy is deleted and counted. A copy whose replay subject holds another
 /// message (the dead-letter stream was recreated, its sequences began again) is left. A
-/// restart with more deliveries raises the replay durable's `max_deliver`.
+/// restart with other deliveries brings the replay durable's `max_deliver` up to date.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_wait_for_their_consumer_and_are_stored_once() {
     use std::sync::atomic::Ordering::SeqCst;
@@ -1729,7 +1729,7 @@ async fn replays_wait_for_their_consumer_and_are_stored_once() {
         "the replay stored before is kept, not replaced"
     );
 
-    // The consumer starts again, fixed and with more deliveries: the replays are applied,
+    // The consumer starts again, fixed and with other deliveries: the replays are applied,
     // once each.
     FAILING.store(false, SeqCst);
     let consumer = h.start(Some(7), |_, _| None).await;
@@ -1833,12 +1833,169 @@ async fn dead_letters_are_not_replayed_where_nothing_would_read_them() {
     h.end().await;
 }
 
+/// Durable names are unique per stream only: a consumer of the same name on another stream
+/// cannot start with replays on (the replay durable serves the first one's stream), and a
+/// copy that consumer dead-lettered is not replayed to the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_durable_serves_the_consumer_of_one_stream() {
+    let js = jetstream().await;
+    let h = Harness::new().await;
+    let consumer = h.start(None, |_, _| None).await;
+    let other = TestStream::events(&js).await;
+    durable(&other, &h.name, Duration::from_secs(2), 10).await;
+    let refused = Consumer::builder(js.clone(), h.db.pool.clone(), h.handler(|_, _| None, false))
+        .bind(&other.name, &h.name)
+        .start()
+        .await;
+    match refused {
+        Err(ConsumerError::Unsuitable {
+            stream, problem, ..
+        }) => {
+            assert_eq!(stream, REPLAY_STREAM);
+            assert!(
+                problem.contains("another consumer of that name"),
+                "{problem}"
+            );
+        }
+        other => panic!("expected Unsuitable, got {other:?}"),
+    }
+    // With replays off it starts.
+    let second = Consumer::builder(js.clone(), h.db.pool.clone(), h.handler(|_, _| None, false))
+        .bind(&other.name, &h.name)
+        .replays(false)
+        .start()
+        .await
+        .unwrap();
+    // A copy the consumer of the other stream made.
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        "Nats-Msg-Id",
+        format!("dlq:{}:{}:1", h.name, other.name).as_str(),
+    );
+    headers.insert(dead_letter_headers::MESSAGE_ID, "evt-elsewhere");
+    headers.insert(
+        dead_letter_headers::SUBJECT,
+        other.subject("shipped.o1").as_str(),
+    );
+    headers.insert(dead_letter_headers::STREAM, other.name.as_str());
+    headers.insert(dead_letter_headers::STREAM_SEQUENCE, "1");
+    js.publish_with_headers(
+        format!("{DEAD_LETTER_SUBJECT_PREFIX}.{}", h.name),
+        headers,
+        shipped(1).into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    let report = trellis_outbox::replay_dead_letters(&js, &h.name, 10)
+        .await
+        .unwrap();
+    assert_eq!(report.replayed, 0, "{report:?}");
+    assert_eq!(report.left.len(), 1, "{report:?}");
+    assert!(
+        report.left[0].reason.contains("serves another"),
+        "{report:?}"
+    );
+    assert_eq!(
+        trellis_outbox::dead_letters(&js, &h.name, 10)
+            .await
+            .unwrap()
+            .len(),
+        1,
+        "the copy stays"
+    );
+    second.shutdown().await.unwrap();
+    consumer.shutdown().await.unwrap();
+    other.delete().await;
+    h.end().await;
+}
+
+/// A replay stored before, found on its subject once the stream's duplicate window has
+/// passed (the publish is refused, not dropped as a duplicate), is recognised by its id: the
+/// copy is deleted and counted, the stored replay kept. On a private server, whose replay
+/// stream has a short duplicate window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_stored_before_is_recognised_after_the_duplicate_window() {
+    use trellis_outbox_tests::nats::connect_reconnecting;
+    use trellis_outbox_tests::nats_server::NatsServer;
+    let server = NatsServer::start();
+    let js = connect_reconnecting(&server.url()).await;
+    let window = Duration::from_millis(200);
+    let replays = js
+        .create_stream(Config {
+            name: REPLAY_STREAM.into(),
+            subjects: vec![format!("{REPLAY_SUBJECT_PREFIX}.>")],
+            max_messages_per_subject: 1,
+            discard: async_nats::jetstream::stream::DiscardPolicy::New,
+            discard_new_per_subject: true,
+            duplicate_window: window,
+            ..Config::default()
+        })
+        .await
+        .unwrap();
+    js.create_stream(Config {
+        name: DEAD_LETTER_STREAM.into(),
+        subjects: vec![format!("{DEAD_LETTER_SUBJECT_PREFIX}.>")],
+        ..Config::default()
+    })
+    .await
+    .unwrap();
+    replays
+        .create_consumer(PullConfig {
+            durable_name: Some("billing".into()),
+            filter_subject: format!("{REPLAY_SUBJECT_PREFIX}.billing.>"),
+            ack_policy: AckPolicy::Explicit,
+            ..PullConfig::default()
+        })
+        .await
+        .unwrap();
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "dlq:billing:ORDERS:7");
+    headers.insert(dead_letter_headers::MESSAGE_ID, "evt-7");
+    headers.insert(dead_letter_headers::SUBJECT, "orders.shipped.o7");
+    let stored = js
+        .publish_with_headers(
+            format!("{DEAD_LETTER_SUBJECT_PREFIX}.billing"),
+            headers.clone(),
+            shipped(7).into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    // The earlier run's replay of that copy.
+    let subject = format!("{REPLAY_SUBJECT_PREFIX}.billing.{}", stored.sequence);
+    headers.insert("Nats-Msg-Id", "replay:dlq:billing:ORDERS:7");
+    js.publish_with_headers(subject.clone(), headers, shipped(7).into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    tokio::time::sleep(window * 3).await;
+
+    let report = trellis_outbox::replay_dead_letters(&js, "billing", 10)
+        .await
+        .unwrap();
+    assert_eq!(report.replayed, 1, "{report:?}");
+    assert!(report.left.is_empty(), "{report:?}");
+    assert!(
+        trellis_outbox::dead_letters(&js, "billing", 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(held_on(&js, REPLAY_STREAM, subject).await, 1, "stored once");
+}
+
 #[tokio::test]
 async fn create_builds_the_stream_from_the_subject_template_and_bad_options_are_refused() {
     let db = TestSqlite::new().await;
     migrate(&db.pool).await.unwrap();
     let js = jetstream().await;
     let stream_name = format!("TRELLIS_T_{}", ulid::Ulid::generate());
+    // Unique: the name's replay durable on the shared replay stream serves one stream.
+    let name = consumer_name();
     let noop = || {
         handler_fn(
             |_: &mut Transaction<'static, Sqlite>, _: Delivered<Shipped>| {
@@ -1847,7 +2004,7 @@ async fn create_builds_the_stream_from_the_subject_template_and_bad_options_are_
         )
     };
     let consumer = Consumer::builder(js.clone(), db.pool.clone(), noop())
-        .create(&stream_name, "billing")
+        .create(&stream_name, &name)
         .max_deliveries(4)
         .start()
         .await
@@ -1858,7 +2015,7 @@ async fn create_builds_the_stream_from_the_subject_template_and_bad_options_are_
         info.config.subjects,
         vec![Shipped::SUBJECT_TEMPLATE.replace("{order}", "*")]
     );
-    let consumer_info = stream.consumer_info("billing").await.unwrap();
+    let consumer_info = stream.consumer_info(&name).await.unwrap();
     // One spare server delivery beyond ours.
     assert_eq!(consumer_info.config.max_deliver, 5);
     assert_eq!(consumer_info.config.ack_policy, AckPolicy::Explicit);
@@ -1877,7 +2034,7 @@ async fn create_builds_the_stream_from_the_subject_template_and_bad_options_are_
     };
     refused(
         Consumer::builder(js.clone(), db.pool.clone(), noop())
-            .bind(&stream_name, "billing")
+            .bind(&stream_name, &name)
             .max_deliveries(6)
             .start()
             .await,
@@ -1891,7 +2048,7 @@ async fn create_builds_the_stream_from_the_subject_template_and_bad_options_are_
     );
     refused(
         Consumer::builder(js.clone(), db.pool.clone(), noop())
-            .bind(&stream_name, "billing")
+            .bind(&stream_name, &name)
             .concurrency(0)
             .start()
             .await,
@@ -1911,4 +2068,7 @@ async fn create_builds_the_stream_from_the_subject_template_and_bad_options_are_
         ),
     }
     let _ = js.delete_stream(&stream_name).await;
+    if let Ok(replays) = js.get_stream(REPLAY_STREAM).await {
+        let _ = replays.delete_consumer(&name).await;
+    }
 }

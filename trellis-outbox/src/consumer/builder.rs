@@ -8,6 +8,7 @@ use std::time::Duration;
 use async_nats::jetstream::Context;
 use async_nats::jetstream::consumer::pull::Config as PullConfig;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
+use async_nats::jetstream::context::ConsumerInfoErrorKind;
 use async_nats::jetstream::stream::{Config as StreamConfig, DiscardPolicy, Stream};
 use serde::de::DeserializeOwned;
 use sqlx::Pool;
@@ -38,6 +39,12 @@ pub const DEAD_LETTER_SUBJECT_PREFIX: &str = "_trellis.consumer.dlq";
 pub const REPLAY_STREAM: &str = "trellis_consumer_replays";
 /// The prefix of replay subjects: `_trellis.consumer.replay.<consumer>.<dead-letter sequence>`.
 pub const REPLAY_SUBJECT_PREFIX: &str = "_trellis.consumer.replay";
+
+/// The description of the replay durable of the consumer of `stream`: which stream's
+/// consumer it serves (durable names are unique per stream only).
+pub(crate) fn replay_description(stream: &str) -> String {
+    format!("trellis-outbox replays of a consumer of stream {stream}")
+}
 
 /// [`REPLAY_STREAM`]'s configuration, as upstream Trellis creates it: one message per subject
 /// (each dead letter has a subject of its own), a second one refused while the first is
@@ -263,8 +270,11 @@ where
         /// `trellis_consumer_replays` if missing and creates (or updates) a durable of the
         /// consumer's name there; while running it deletes each replay it settled. Its NATS
         /// credentials need those rights (stream info and create, consumer create, message
-        /// delete, pulls and acks on that stream). Off, `replay_dead_letters` refuses to
-        /// replay this consumer's dead letters: nothing would read them.
+        /// delete, pulls and acks on that stream). Off, no durable is made, and
+        /// `replay_dead_letters` refuses to replay the consumer's dead letters while none
+        /// exists (a durable left from an earlier start with replays on still takes them:
+        /// delete it when the consumer is retired). A consumer of the same name on another
+        /// stream cannot have replays on too: the durable serves one stream's consumer.
         replays(enabled: bool) => options.replays;
         /// Whether a handler that runs long tells JetStream it is still working (an
         /// in-progress ack every half ack wait, from the moment the message is started:
@@ -370,7 +380,7 @@ where
             self.dead_letter_stream().await?;
             let replays = match self.options.replays {
                 true => Some(
-                    self.replay_durable(&target.consumer, config.ack_wait, max_deliveries)
+                    self.replay_durable(&target, config.ack_wait, max_deliveries)
                         .await?,
                 ),
                 false => None,
@@ -469,10 +479,11 @@ where
     /// `max_deliveries`, as the consumers [`create`](Self::create) makes).
     async fn replay_durable(
         &self,
-        consumer: &str,
+        target: &Target,
         ack_wait: Duration,
         max_deliveries: u32,
     ) -> Result<(PullConsumer, Stream), ConsumerError> {
+        let consumer = target.consumer.as_str();
         let filter = super::dead_letters::replay_filter(consumer)?;
         let stream = self
             .jetstream
@@ -482,11 +493,43 @@ where
                 stream: REPLAY_STREAM.into(),
                 source: e.into(),
             })?;
+        let unsuitable = |problem: String| ConsumerError::Unsuitable {
+            stream: REPLAY_STREAM.into(),
+            consumer: consumer.to_owned(),
+            problem,
+        };
+        // Durable names are unique per stream only: a consumer of the same name on another
+        // stream must not read (and apply) this one's replays, nor this one its.
+        let description = replay_description(&target.stream);
+        match stream.consumer_info(consumer).await {
+            Ok(info) => {
+                if let Some(other) = info
+                    .config
+                    .description
+                    .as_deref()
+                    .filter(|other| *other != description)
+                {
+                    return Err(unsuitable(format!(
+                        "it is the replay durable of another consumer of that name ({other:?}); \
+                         give one of them another name, or start this one with replays off"
+                    )));
+                }
+            }
+            Err(error) if matches!(error.kind(), ConsumerInfoErrorKind::NotFound) => {}
+            Err(error) => {
+                return Err(ConsumerError::Consumer {
+                    stream: REPLAY_STREAM.into(),
+                    consumer: consumer.to_owned(),
+                    source: error.into(),
+                });
+            }
+        }
         // Created or brought up to date: a durable left by an earlier start with fewer
         // deliveries would give up on a replay before this consumer does.
         let durable = stream
             .create_consumer(PullConfig {
                 durable_name: Some(consumer.to_owned()),
+                description: Some(description),
                 filter_subject: filter,
                 ack_policy: AckPolicy::Explicit,
                 ack_wait,
@@ -500,11 +543,6 @@ where
                 source: e.into(),
             })?;
         let config = &durable.cached_info().config;
-        let unsuitable = |problem: String| ConsumerError::Unsuitable {
-            stream: REPLAY_STREAM.into(),
-            consumer: consumer.to_owned(),
-            problem,
-        };
         if config.ack_policy != AckPolicy::Explicit {
             return Err(unsuitable(format!(
                 "its ack policy is {:?}; it needs explicit acks",

@@ -6,14 +6,18 @@ use std::time::{Duration, SystemTime};
 use async_nats::HeaderMap;
 use async_nats::jetstream::consumer::pull::Config as PullConfig;
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer};
-use async_nats::jetstream::context::{ConsumerInfoErrorKind, GetStreamErrorKind, PublishError};
-use async_nats::jetstream::stream::{DeleteMessageErrorKind, Stream};
+use async_nats::jetstream::context::{
+    ConsumerInfoErrorKind, GetStreamErrorKind, PublishError, PublishErrorKind,
+};
+use async_nats::jetstream::stream::{
+    DeleteMessageErrorKind, LastRawMessageErrorKind, StorageType, Stream,
+};
 use async_nats::jetstream::{Context, ErrorCode, Message};
 use futures_util::StreamExt as _;
 
 use super::builder::{
     DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECT_PREFIX, REPLAY_STREAM, REPLAY_SUBJECT_PREFIX,
-    replay_stream_config,
+    replay_description, replay_stream_config,
 };
 use super::error::ConsumerError;
 use super::run::{dead_letter_headers as h, headers_without};
@@ -116,10 +120,13 @@ impl DeadLetter {
     }
 
     /// The headers the replay of this copy carries: the copy's, its `Trellis-Dlq-*` ones
-    /// included (the consumer reads the message's id and subject from them), and `id` (see
+    /// but the error text (the consumer reads the message's id and subject from them), and
+    /// `id` (see
     /// [`replay_id`](Self::replay_id)) as its `Nats-Msg-Id`.
     fn replay_headers(&self, id: &str) -> HeaderMap {
-        let mut headers = headers_without(&self.headers, &["Nats-"]);
+        // Not the error text either: the consumer does not read it, and a copy whose error
+        // was cut to fit `max_payload` must still fit with the replay's longer id.
+        let mut headers = headers_without(&self.headers, &["Nats-", h::ERROR]);
         headers.insert(NATS_MSG_ID, id);
         headers
     }
@@ -130,7 +137,13 @@ impl DeadLetter {
     fn replay_id(&self, consumer: &str) -> String {
         match self.headers.get(NATS_MSG_ID) {
             Some(copy) => format!("replay:{}", copy.as_str()),
-            None => format!("replay:{consumer}:{}", self.sequence),
+            // A copy written by another tool: its message's id (one id, one message) and
+            // its place.
+            None => format!(
+                "replay:{consumer}:{}:{}",
+                self.message_id.as_deref().unwrap_or_default(),
+                self.sequence
+            ),
         }
     }
 }
@@ -376,16 +389,17 @@ pub async fn dead_letters(
 
 /// Hands durable consumer `consumer`'s dead letters back to it, oldest first, and deletes
 /// each copy once the replay is stored. Run it once the cause is fixed (a handler's bug, a
-/// missing table). At most `limit` messages are replayed (copies without a usable id or
-/// subject are passed over without counting). Only the copies stored when the replay starts
-/// are replayed: a message that fails again is dead-lettered again, not replayed in a loop.
-/// Copies are read through an ephemeral consumer of [`DEAD_LETTER_STREAM`] that acknowledges
-/// nothing, deleted at the end.
+/// missing table). At most `limit` messages are published (copies without a usable id or
+/// subject, or dead-lettered by a consumer of the same name on another stream, are passed
+/// over without counting). Only the copies stored when the replay starts are replayed: a
+/// message that fails again is dead-lettered again, not replayed in a loop. Copies are read
+/// through an ephemeral consumer of [`DEAD_LETTER_STREAM`] that acknowledges nothing,
+/// deleted at the end.
 ///
 /// Each message goes to `consumer` **only**: to
 /// `_trellis.consumer.replay.<consumer>.<copy's sequence>` in [`REPLAY_STREAM`] (created if
 /// missing), which that consumer reads beside its own stream (see
-/// [`ConsumerBuilder::dead_letters`](super::ConsumerBuilder::dead_letters)). The other
+/// [`ConsumerBuilder::replays`](super::ConsumerBuilder::replays)). The other
 /// consumers of the message's subject do not see it again. The consumer applies it as the
 /// message it was: its id (the inbox key), subject and headers are the original's, and
 /// [`Delivered::replayed`](super::Delivered::replayed) is `true`. A replay waits in the stream
@@ -400,7 +414,9 @@ pub async fn dead_letters(
 ///
 /// A copy is left in place, with the reason in [`ReplayReport::left`], when it has no usable
 /// message id (the consumer could not de-duplicate it and would dead-letter it again) or no
-/// subject, or when its replay subject holds another message (possible only after the
+/// subject; when it was dead-lettered by a consumer of the same name on another stream than
+/// the one whose consumer reads the replays; when its replay would exceed the server's
+/// `max_payload`; or when its replay subject holds another message (possible only after the
 /// dead-letter stream was deleted and its sequences began again).
 ///
 /// # Errors
@@ -409,7 +425,8 @@ pub async fn dead_letters(
 /// [`ConsumerError::ReplayRefused`], before anything is replayed, if no durable of
 /// `consumer`'s name reads its replays (the consumer never ran with
 /// [`replays`](super::ConsumerBuilder::replays) on) or the existing replay stream would not
-/// keep a replay until it is read (not one message per subject, or an age limit);
+/// keep a replay until it is read (not one message per subject, an age limit, memory
+/// storage, or deletes denied);
 /// [`ConsumerError::Stream`] if the dead-letter stream cannot be read, a copy deleted, or the
 /// replay stream created; [`ConsumerError::Replay`] if a message cannot be published (no
 /// answer from the server), with how many were replayed before it. Copies replayed before an
@@ -443,16 +460,13 @@ pub async fn replay_dead_letters(
         return Ok(report);
     }
     let outcome = async {
-        let replays = replay_stream(jetstream, consumer).await?;
-        replay(
-            jetstream,
-            &replays,
+        let (replays, serves) = replay_stream(jetstream, consumer).await?;
+        let to = Reader {
             consumer,
-            &mut copies,
-            limit,
-            &mut report,
-        )
-        .await
+            replays: &replays,
+            serves: serves.as_deref(),
+        };
+        replay(jetstream, &to, &mut copies, limit, &mut report).await
     }
     .await;
     copies.close().await;
@@ -460,9 +474,13 @@ pub async fn replay_dead_letters(
 }
 
 /// [`REPLAY_STREAM`] (created if missing), once it is known to keep every replay until
-/// `consumer` has read it: one message per subject, no age limit, and a durable of
-/// `consumer`'s name reading its replay subjects.
-async fn replay_stream(jetstream: &Context, consumer: &str) -> Result<Stream, ConsumerError> {
+/// `consumer` has read it (one message per subject, no age limit, file storage, deletes
+/// allowed) and that a durable of `consumer`'s name reads its replay subjects; with that
+/// durable's description, which names the stream of the consumer it serves.
+async fn replay_stream(
+    jetstream: &Context,
+    consumer: &str,
+) -> Result<(Stream, Option<String>), ConsumerError> {
     let refused = |problem: String| ConsumerError::ReplayRefused {
         consumer: consumer.to_owned(),
         problem,
@@ -489,9 +507,21 @@ async fn replay_stream(jetstream: &Context, consumer: &str) -> Result<Stream, Co
             config.max_age
         )));
     }
+    if config.storage != StorageType::File || config.deny_delete {
+        return Err(refused(format!(
+            "stream {REPLAY_STREAM} keeps messages in {:?} storage{}: replays could vanish in \
+             a server restart, or pile up",
+            config.storage,
+            if config.deny_delete {
+                " and denies deletes"
+            } else {
+                ""
+            }
+        )));
+    }
     let filter = replay_filter(consumer)?;
     match stream.consumer_info(consumer).await {
-        Ok(info) if info.config.filter_subject == filter => Ok(stream),
+        Ok(info) if info.config.filter_subject == filter => Ok((stream, info.config.description)),
         Ok(info) => Err(refused(format!(
             "the durable `{consumer}` on {REPLAY_STREAM} reads `{}`, not `{filter}`",
             info.config.filter_subject
@@ -516,26 +546,56 @@ fn stored_before(error: &PublishError) -> bool {
         })
 }
 
-/// Whether the replay stored on `subject` is the one with id `id`; `None` if it cannot be read
+/// Whether the replay stored on `subject` is the one with id `id`; `None` if there is none
 /// (gone meanwhile: read and deleted by the consumer).
-async fn stored_is(replays: &Stream, subject: &str, id: &str) -> Option<bool> {
-    let stored = replays
-        .get_last_raw_message_by_subject(subject)
-        .await
-        .ok()?;
-    Some(
-        stored
-            .headers
-            .get(NATS_MSG_ID)
-            .is_some_and(|stored| stored.as_str() == id),
-    )
+async fn stored_is(
+    replays: &Stream,
+    subject: &str,
+    id: &str,
+) -> Result<Option<bool>, ConsumerError> {
+    match replays.get_last_raw_message_by_subject(subject).await {
+        Ok(stored) => Ok(Some(
+            stored
+                .headers
+                .get(NATS_MSG_ID)
+                .is_some_and(|stored| stored.as_str() == id),
+        )),
+        Err(error) if matches!(error.kind(), LastRawMessageErrorKind::NoMessageFound) => Ok(None),
+        Err(error) => Err(ConsumerError::Stream {
+            stream: REPLAY_STREAM.into(),
+            source: error.into(),
+        }),
+    }
+}
+
+/// Who reads the replays: the consumer's name, the replay stream, and the description of the
+/// durable reading them (which names the stream of the consumer it serves; `None`: a durable
+/// not made by a trellis-outbox consumer, taken to serve any).
+struct Reader<'a> {
+    consumer: &'a str,
+    replays: &'a Stream,
+    serves: Option<&'a str>,
+}
+
+impl Reader<'_> {
+    /// Why the durable must not get the replay of `copy`: it serves the consumer of the same
+    /// name on another stream.
+    fn refuses(&self, copy: &DeadLetter) -> Option<String> {
+        let (serves, stream) = (self.serves?, copy.stream.as_deref()?);
+        (serves != replay_description(stream)).then(|| {
+            format!(
+                "it was dead-lettered by the consumer `{}` of stream `{stream}`, and the durable \
+                 reading replays for that name serves another ({serves:?})",
+                self.consumer
+            )
+        })
+    }
 }
 
 /// The loop of [`replay_dead_letters`] over `copies`.
 async fn replay(
     jetstream: &Context,
-    replays: &Stream,
-    consumer: &str,
+    to: &Reader<'_>,
     copies: &mut Copies,
     limit: usize,
     report: &mut ReplayReport,
@@ -551,18 +611,24 @@ async fn replay(
                 // Read ahead of the limit: left as it is, and not reported.
                 break;
             }
+            let leave = |reason: String| NotReplayed {
+                sequence: copy.sequence,
+                message_id: copy.message_id.clone(),
+                reason,
+            };
             let (subject, id) = match copy.replay_target() {
                 Ok(target) => target,
                 Err(reason) => {
-                    report.left.push(NotReplayed {
-                        sequence: copy.sequence,
-                        message_id: copy.message_id.clone(),
-                        reason,
-                    });
+                    report.left.push(leave(reason));
                     continue;
                 }
             };
+            if let Some(reason) = to.refuses(&copy) {
+                report.left.push(leave(reason));
+                continue;
+            }
             published += 1;
+            let consumer = to.consumer;
             let target = replay_subject(consumer, copy.sequence);
             let replay_id = copy.replay_id(consumer);
             let replay_error = |source: BoxError| ConsumerError::Replay {
@@ -571,15 +637,23 @@ async fn replay(
                 replayed: report.replayed,
                 source,
             };
-            let sent = jetstream
+            let sent = match jetstream
                 .publish_with_headers(
                     target.clone(),
                     copy.replay_headers(&replay_id),
                     copy.payload.clone(),
                 )
                 .await
-                .map_err(|e| replay_error(e.into()))?
-                .await;
+            {
+                Ok(ack) => ack.await,
+                Err(error) if matches!(error.kind(), PublishErrorKind::MaxPayloadExceeded) => {
+                    report.left.push(leave(format!(
+                        "its replay would be larger than the server's max_payload: {error}"
+                    )));
+                    continue;
+                }
+                Err(error) => return Err(replay_error(error.into())),
+            };
             // A duplicate (same id within the stream's window) is this message's replay,
             // stored before. A refusal (a message on the subject already) is too only if the
             // stored one has this id: after the dead-letter stream was recreated, a sequence
@@ -587,23 +661,20 @@ async fn replay(
             let again = match sent {
                 Ok(ack) => ack.duplicate,
                 Err(error) if stored_before(&error) => {
-                    match stored_is(replays, &target, &replay_id).await {
+                    match stored_is(to.replays, &target, &replay_id).await? {
                         Some(true) => true,
-                        found => {
-                            report.left.push(NotReplayed {
-                                sequence: copy.sequence,
-                                message_id: copy.message_id.clone(),
-                                reason: match found {
-                                    Some(_) => format!(
-                                        "its replay subject `{target}` holds another message \
-                                         (the dead-letter stream was recreated?); the copy stays"
-                                    ),
-                                    None => format!(
-                                        "its replay subject `{target}` refused it while holding \
-                                         a message that is gone now; replay again"
-                                    ),
-                                },
-                            });
+                        Some(false) => {
+                            report.left.push(leave(format!(
+                                "its replay subject `{target}` holds another message (the \
+                                 dead-letter stream was recreated?); the copy stays"
+                            )));
+                            continue;
+                        }
+                        None => {
+                            report.left.push(leave(format!(
+                                "its replay subject `{target}` refused it while holding a \
+                                 message that is gone now; replay again"
+                            )));
                             continue;
                         }
                     }

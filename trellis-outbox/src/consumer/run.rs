@@ -520,7 +520,7 @@ where
     {
         // Best effort: a replay left behind is only stored, never delivered again.
         if let Err(err) = replays.delete_message(info.stream_sequence).await {
-            tracing::debug!(consumer = %shared.consumer_name, error = %err, "could not delete a settled replay");
+            tracing::warn!(consumer = %shared.consumer_name, error = %err, "could not delete a settled replay (it stays stored, never delivered again)");
         }
     }
 }
