@@ -66,6 +66,13 @@ async fn sweep_stale(js: &Context) {
             let id = name.get(name.len().saturating_sub(26)..);
             if id.is_some_and(|id| name.len() > 26 && crate::is_stale(id)) {
                 let _ = replays.delete_consumer(&name).await;
+                let _ = replays
+                    .purge()
+                    .filter(format!(
+                        "{}.{name}.>",
+                        trellis_outbox::REPLAY_SUBJECT_PREFIX
+                    ))
+                    .await;
             }
         }
     }

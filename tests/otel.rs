@@ -52,6 +52,11 @@ async fn one_trace_runs_from_the_handler_through_the_outbox_to_the_consumer() {
     migrate(&db.pool).await.unwrap();
     let js = jetstream().await;
     let stream_name = format!("TRELLIS_T_{}", ulid::Ulid::generate());
+    // Unique: the name's replay durable on the shared replay stream serves one stream.
+    let durable = format!(
+        "traced{}",
+        ulid::Ulid::generate().to_string().to_lowercase()
+    );
     js.create_stream(Config {
         name: stream_name.clone(),
         subjects: vec!["ttracedotel.>".into()],
@@ -90,7 +95,7 @@ async fn one_trace_runs_from_the_handler_through_the_outbox_to_the_consumer() {
         .await
         .unwrap()
         .create_consumer(PullConfig {
-            durable_name: Some("traced".into()),
+            durable_name: Some(durable.clone()),
             ack_policy: AckPolicy::Explicit,
             ..PullConfig::default()
         })
@@ -103,7 +108,7 @@ async fn one_trace_runs_from_the_handler_through_the_outbox_to_the_consumer() {
             |_: &mut Transaction<'static, Sqlite>, _: Delivered<Traced>| Box::pin(async { Ok(()) }),
         ),
     )
-    .bind(&stream_name, "traced")
+    .bind(&stream_name, &durable)
     .start()
     .await
     .unwrap();
@@ -115,6 +120,9 @@ async fn one_trace_runs_from_the_handler_through_the_outbox_to_the_consumer() {
     }
     assert_eq!(consumer.shutdown().await.unwrap().applied, 1);
     let _ = js.delete_stream(&stream_name).await;
+    if let Ok(replays) = js.get_stream(trellis_outbox::REPLAY_STREAM).await {
+        let _ = replays.delete_consumer(&durable).await;
+    }
 
     provider.force_flush().unwrap();
     let spans = exporter.get_finished_spans().unwrap();

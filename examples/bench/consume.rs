@@ -336,7 +336,9 @@ pub(crate) async fn bench(args: &[String]) -> Result<(), BoxError> {
                     .execute(&pool)
                     .await?;
                 runs += 1;
-                let durable = format!("bench{runs}");
+                // Unique: a consumer's replay durable (on the shared replay stream) serves one
+                // stream's consumer of that name.
+                let durable = format!("bench{runs}{}", ulid.to_lowercase());
                 let js_stream = js.get_stream(&stream).await?;
                 js_stream
                     .create_consumer(PullConfig {
@@ -362,6 +364,9 @@ pub(crate) async fn bench(args: &[String]) -> Result<(), BoxError> {
                     return Err(format!("applied {rows} rows, expected {events}").into());
                 }
                 let _ = js_stream.delete_consumer(&durable).await;
+                if let Ok(replays) = js.get_stream(trellis_outbox::REPLAY_STREAM).await {
+                    let _ = replays.delete_consumer(&durable).await;
+                }
                 let (name, index) = match side {
                     Side::Baseline => ("baseline", 0),
                     Side::Ours => ("ours", 1),
