@@ -12,6 +12,7 @@ pub struct CutRelay {
     pub port: u16,
     down: watch::Sender<bool>,
     stalls: watch::Sender<u64>,
+    trigger: watch::Sender<Option<Vec<u8>>>,
 }
 
 impl CutRelay {
@@ -27,6 +28,8 @@ impl CutRelay {
         let port = listener.local_addr().expect("the relay's address").port();
         let (down, watching) = watch::channel(false);
         let (stalls, stalled) = watch::channel(0_u64);
+        let (trigger, _) = watch::channel(None::<Vec<u8>>);
+        let (triggers, stall_all) = (trigger.clone(), stalls.clone());
         tokio::spawn(async move {
             while let Ok((mut client, _)) = listener.accept().await {
                 if *watching.borrow() {
@@ -40,9 +43,10 @@ impl CutRelay {
                 let mut cut = watching.clone();
                 let mut stall = stalled.clone();
                 let born = *stall.borrow();
+                let (triggers, stall_all) = (triggers.clone(), stall_all.clone());
                 tokio::spawn(async move {
                     let stalled = tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => false,
+                        () = relay(&mut client, &mut server, &triggers, &stall_all) => false,
                         () = async { let _ = cut.wait_for(|down| *down).await; } => false,
                         () = async { let _ = stall.wait_for(|stalls| *stalls > born).await; } => true,
                     };
@@ -55,7 +59,19 @@ impl CutRelay {
                 });
             }
         });
-        Self { port, down, stalls }
+        Self {
+            port,
+            down,
+            stalls,
+            trigger,
+        }
+    }
+
+    /// Stalls every connection, as [`stall`](Self::stall) does, at the moment a client sends
+    /// bytes that contain `pattern`: those bytes never reach the server (a connection that
+    /// went silent just as that request was sent). Once.
+    pub fn stall_when_a_client_sends(&self, pattern: &[u8]) {
+        self.trigger.send_replace(Some(pattern.to_vec()));
     }
 
     /// Stops forwarding on every connection open now, in both directions, without closing
@@ -86,5 +102,51 @@ impl CutRelay {
     /// Lets connections through again.
     pub fn up(&self) {
         self.down.send_replace(false);
+    }
+}
+
+/// Forwards both ways until either side closes; the first client read that contains the
+/// pattern `triggers` holds (taken: once) is not forwarded but stalls every connection.
+async fn relay(
+    client: &mut TcpStream,
+    server: &mut TcpStream,
+    triggers: &watch::Sender<Option<Vec<u8>>>,
+    stall_all: &watch::Sender<u64>,
+) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let (mut client_read, mut client_write) = client.split();
+    let (mut server_read, mut server_write) = server.split();
+    let upstream = async {
+        let mut buffer = vec![0_u8; 16 * 1024];
+        loop {
+            let n = match client_read.read(&mut buffer).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            let chunk = &buffer[..n];
+            let hit = triggers.send_if_modified(|pattern| {
+                let hit = pattern.as_ref().is_some_and(|pattern| {
+                    !pattern.is_empty() && chunk.windows(pattern.len()).any(|w| w == &pattern[..])
+                });
+                if hit {
+                    *pattern = None;
+                }
+                hit
+            });
+            if hit {
+                stall_all.send_modify(|stalls| *stalls += 1);
+                std::future::pending::<()>().await;
+            }
+            if server_write.write_all(chunk).await.is_err() {
+                return;
+            }
+        }
+    };
+    let downstream = async {
+        let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+    };
+    tokio::select! {
+        () = upstream => {}
+        () = downstream => {}
     }
 }

@@ -48,7 +48,8 @@ const MIN_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// A connection can also die without either side being told (a host or a network path
 /// gone: no reset ever arrives), and a listener waiting on it would hear nothing from then
 /// on. So after 30 s without a notification the listener sends `SELECT 1` on its connection;
-/// without an answer within 5 s it drops the connection and connects again (then wakes).
+/// without an answer within 5 s it drops the connection and connects again (then wakes). A
+/// `LISTEN` gets the same 5 s.
 ///
 /// The listener opens a connection of its own with `pool`'s connect options and holds it
 /// while it runs; it takes no connection from `pool` (and so counts outside its
@@ -196,7 +197,17 @@ async fn connect(pool: &PgPool, channel: &str) -> Result<Listener> {
     // `try_recv` could be cut short by the health check, whose query would then reconnect
     // silently, and the re-scan wake-up would be lost.)
     listener.eager_reconnect(false);
-    if let Err(error) = listener.listen(channel).await {
+    // Bounded like the health check: a connection that goes silent after the server ran the
+    // `LISTEN` but before its answer arrived would otherwise hold the listener here for good,
+    // where no health check runs.
+    let listened = match tokio::time::timeout(HEALTH_TIMEOUT, listener.listen(channel)).await {
+        Ok(listened) => listened,
+        Err(_) => Err(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("the listening connection did not answer `LISTEN` within {HEALTH_TIMEOUT:?}"),
+        ))),
+    };
+    if let Err(error) = listened {
         Listener { listener, own }.close().await;
         return Err(listen_error(error));
     }
