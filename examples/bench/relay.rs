@@ -1141,6 +1141,26 @@ async fn bench_latency(settings: Settings, table: &mut Vec<TableRow>) -> Result<
     outcome
 }
 
+/// Opens all of a just-started producer's connections and runs its statement once on each,
+/// in a transaction rolled back (nothing is committed or published), so that its events do
+/// not pay for connections being opened, statements prepared and catalog caches filled
+/// while they are timed; the other modes' producers use the run's long-lived pool.
+async fn warm(pool: &PgPool, outbox: &Outbox, subject: &str) -> Result<(), BoxError> {
+    let connections = pool.options().get_max_connections();
+    let mut held = Vec::new();
+    for _ in 0..connections {
+        // An id of its own each: an uncommitted row's id makes the next insert of it wait.
+        let record = PreparedOutboxRecord::event(NAME, subject, &serde_json::json!({ "seq": 0 }))?;
+        let mut tx = pool.begin().await?;
+        outbox.enqueue(&mut tx, &record).await?;
+        held.push(tx);
+    }
+    for tx in held {
+        tx.rollback().await?;
+    }
+    Ok(())
+}
+
 /// The child process of the LISTEN/NOTIFY latency run: commits the events `start..end` on
 /// its own pool and prints `seq before_commit_ns after_commit_ns` per event.
 async fn producer_child(args: &[String]) -> Result<(), BoxError> {
@@ -1155,6 +1175,7 @@ async fn producer_child(args: &[String]) -> Result<(), BoxError> {
     // No NOTIFY inside the transactions (notifying commits are flushed one at a time): a
     // wake-up of its own after each commit.
     let outbox = Outbox::default().without_notify();
+    warm(&pool, &outbox, subject).await?;
     let waking = (outbox.clone(), pool.clone());
     let sent = produce(
         &pool,
