@@ -754,6 +754,52 @@ async fn the_postgres_claim_serves_keys_round_robin() {
     db.close().await;
 }
 
+/// A Postgres claim of unkeyed rows that finds none answers whether keyed rows wait, in the
+/// same statement: none, and the claim is empty; some, and it claims them (no claim before
+/// saw them).
+#[tokio::test]
+async fn a_postgres_claim_that_finds_no_unkeyed_rows_finds_keyed_ones() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let enqueue = |record: PreparedOutboxRecord| {
+        let pool = db.pool.clone();
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            tx.enqueue(&record).await.unwrap();
+            tx.commit().await.unwrap();
+            record.id
+        }
+    };
+    let repo = PgOutboxRepository::new(db.pool.clone());
+    let claim = || {
+        let repo = &repo;
+        async move {
+            claimed_ids(
+                &repo
+                    .claim(ClaimRequest::new(10, Duration::from_secs(30)))
+                    .await
+                    .unwrap(),
+            )
+        }
+    };
+    let unkeyed = PreparedOutboxRecord::event(
+        "Orders.Changed",
+        "events.v1.Orders.Changed",
+        &json!({ "n": 0 }),
+    )
+    .unwrap();
+    let first = enqueue(unkeyed).await;
+    assert_eq!(claim().await, [first]);
+    assert!(claim().await.is_empty());
+    let mut keyed_ids = Vec::new();
+    for n in 0..3 {
+        keyed_ids.push(enqueue(keyed("events.v1.Orders.Changed", "k", n)).await);
+    }
+    assert_eq!(claim().await, keyed_ids);
+    assert!(claim().await.is_empty(), "the key's rows are leased");
+    db.close().await;
+}
+
 /// Loads 50 keys × `per_key` rows, keys interleaved at random, in transactions of 100.
 async fn load_keyed(pool: &sqlx::PgPool, per_key: usize) -> HashMap<String, Vec<String>> {
     let mut events: Vec<(String, usize)> = (0..KEYS)

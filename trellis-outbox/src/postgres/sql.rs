@@ -220,7 +220,9 @@ fn dead_rows(o: &str, what: &str) -> String {
 #[cfg(feature = "postgres")]
 pub struct PgOnly {
     /// The claim of rows without an ordering key, oldest first through
-    /// `<outbox>_claim_idx` (which holds only those since version 6).
+    /// `<outbox>_claim_idx` (which holds only those since version 6). When it claims
+    /// nothing it answers one row whose claimed columns (`id` too) are NULL, with
+    /// `claim_cutoff` and `keyed` as a claimed row has them.
     pub(crate) claim_unkeyed: std::sync::Arc<str>,
     /// The claim of both kinds. `$6` the keyed rows the claimer published and is still
     /// marking (they count as dispatched), `$7` the key to walk on from (NULL: the first),
@@ -300,8 +302,17 @@ impl PgOnly {
             claimable(o)
         );
         Self {
+            // Nothing claimed, the join still answers one row (claimed columns NULL) with the
+            // claim's time and the keyed test: a claim that found nothing says whether keyed
+            // rows wait, and needs no second statement (the keyed claim, in a transaction of
+            // its own, four round trips) to find out.
             claim_unkeyed: format!(
-                "{update} WHERE ctid = ANY(ARRAY(SELECT ctid {unkeyed})) {returning}"
+                "WITH claimed AS ({update} WHERE ctid = ANY(ARRAY(SELECT ctid {unkeyed})) \
+                 AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL \
+                 RETURNING {COLUMNS}, ordering_key, ordering_seq) \
+                 SELECT claimed.*, COALESCE($4, now()) AS claim_cutoff, \
+                 (SELECT min(ordering_key) FROM {o} WHERE {OPEN_KEYED}) IS NOT NULL AS keyed \
+                 FROM (SELECT) AS answer LEFT JOIN claimed ON true"
             )
             .into(),
             claim: format!(
