@@ -36,7 +36,8 @@
 //!    the commits);
 //!    (ii) LISTEN/NOTIFY, the dispatcher is woken only by its `listen_postgres` listener, and
 //!    the producer is a **separate process** (this binary re-executed with `--producer`) with
-//!    its own pool and the default (notifying) outbox.
+//!    its own pool, opened and warmed before its events are timed; it enqueues
+//!    `without_notify()` and calls `Outbox::wake` after each commit.
 //!    In both, the dispatcher has its own 4-connection pool, as the README recommends. Each
 //!    mode also prints how much of the latency the commit itself took.
 //!    First, the floor is measured the same way: a **dual write** (commit a business row,
