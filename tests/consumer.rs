@@ -127,11 +127,13 @@ struct DeadLetter {
     payload: bytes::Bytes,
 }
 
-/// Every dead-letter copy of `consumer`.
-async fn dead_letters(js: &Context, consumer: &str) -> Vec<DeadLetter> {
-    let stream = js.get_stream(DEAD_LETTER_STREAM).await.unwrap();
-    let subject = format!("{DEAD_LETTER_SUBJECT_PREFIX}.{consumer}");
-    let reader = stream
+/// An ephemeral consumer of `stream` reading `subject` (a filter) from the start and
+/// acknowledging nothing.
+async fn reader_of(
+    stream: &async_nats::jetstream::stream::Stream,
+    subject: String,
+) -> async_nats::jetstream::consumer::PullConsumer {
+    stream
         .create_consumer(PullConfig {
             filter_subject: subject,
             deliver_policy: DeliverPolicy::All,
@@ -139,7 +141,13 @@ async fn dead_letters(js: &Context, consumer: &str) -> Vec<DeadLetter> {
             ..PullConfig::default()
         })
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// Every dead-letter copy of `consumer`.
+async fn dead_letters(js: &Context, consumer: &str) -> Vec<DeadLetter> {
+    let stream = js.get_stream(DEAD_LETTER_STREAM).await.unwrap();
+    let reader = reader_of(&stream, format!("{DEAD_LETTER_SUBJECT_PREFIX}.{consumer}")).await;
     let mut batch = reader
         .fetch()
         .max_messages(1000)
@@ -253,6 +261,14 @@ async fn dedupe_stream(js: &Context) -> TestStream {
         ..Config::default()
     })
     .await
+}
+
+/// How many of consumer `name`'s dead letters there are, up to `limit`.
+async fn dead_letter_count(js: &Context, name: &str, limit: usize) -> usize {
+    trellis_outbox::dead_letters(js, name, limit)
+        .await
+        .unwrap()
+        .len()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1470,15 +1486,7 @@ static BROKEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::ne
 /// consumer that acknowledges nothing.
 async fn held_on(js: &Context, stream: &str, subject: String) -> u64 {
     let stream = js.get_stream(stream).await.unwrap();
-    let mut reader = stream
-        .create_consumer(PullConfig {
-            filter_subject: subject,
-            deliver_policy: DeliverPolicy::All,
-            ack_policy: AckPolicy::None,
-            ..PullConfig::default()
-        })
-        .await
-        .unwrap();
+    let mut reader = reader_of(&stream, subject).await;
     let pending = reader.info().await.unwrap().num_pending;
     let name = reader.cached_info().name.clone();
     let _ = stream.delete_consumer(&name).await;
@@ -1536,14 +1544,7 @@ async fn dead_letters_are_listed_and_replayed_to_their_consumer_once_the_cause_i
         copies.windows(2).all(|w| w[0].sequence < w[1].sequence),
         "oldest first: {copies:?}"
     );
-    assert_eq!(
-        trellis_outbox::dead_letters(&js, &h.name, 1)
-            .await
-            .unwrap()
-            .len(),
-        1,
-        "the limit"
-    );
+    assert_eq!(dead_letter_count(&js, &h.name, 1).await, 1, "the limit");
 
     // Replayed while the bug is still there: it fails again and is dead-lettered again, as
     // the message it was. Nothing was published to the consumer's own stream.
@@ -1790,13 +1791,7 @@ async fn dead_letters_are_not_replayed_where_nothing_would_read_them() {
     publish_shipped(&h, 0, 1).await;
     h.settled().await;
     consumer.shutdown().await.unwrap();
-    assert_eq!(
-        trellis_outbox::dead_letters(&js, &h.name, 10)
-            .await
-            .unwrap()
-            .len(),
-        1
-    );
+    assert_eq!(dead_letter_count(&js, &h.name, 10).await, 1);
     match trellis_outbox::replay_dead_letters(&js, &h.name, 10).await {
         Err(ConsumerError::ReplayRefused { consumer, problem }) => {
             assert_eq!(consumer, h.name);
@@ -1805,10 +1800,7 @@ async fn dead_letters_are_not_replayed_where_nothing_would_read_them() {
         other => panic!("expected ReplayRefused, got {other:?}"),
     }
     assert_eq!(
-        trellis_outbox::dead_letters(&js, &h.name, 10)
-            .await
-            .unwrap()
-            .len(),
+        dead_letter_count(&js, &h.name, 10).await,
         1,
         "the copy stays"
     );
@@ -1898,10 +1890,7 @@ async fn a_replay_durable_serves_the_consumer_of_one_stream() {
         "{report:?}"
     );
     assert_eq!(
-        trellis_outbox::dead_letters(&js, &h.name, 10)
-            .await
-            .unwrap()
-            .len(),
+        dead_letter_count(&js, &h.name, 10).await,
         1,
         "the copy stays"
     );

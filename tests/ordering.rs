@@ -680,6 +680,14 @@ async fn rows_of_the_empty_ordering_key_are_claimed() {
 
 // ---- four dispatchers ----
 
+/// Enqueues `record` in a transaction of its own; its id.
+async fn committed(pool: &sqlx::PgPool, record: PreparedOutboxRecord) -> String {
+    let mut tx = pool.begin().await.unwrap();
+    tx.enqueue(&record).await.unwrap();
+    tx.commit().await.unwrap();
+    record.id
+}
+
 /// The Postgres claim: unkeyed rows oldest first; keyed rows key by key, round-robin (each
 /// claim goes on after the last key the previous one reached, wrapping around), each key's
 /// run in sequence order; keyed rows written after a claim that saw none are found.
@@ -687,15 +695,7 @@ async fn rows_of_the_empty_ordering_key_are_claimed() {
 async fn the_postgres_claim_serves_keys_round_robin() {
     let db = TestPg::new().await;
     migrate(&db.pool).await.unwrap();
-    let enqueue = |record: PreparedOutboxRecord| {
-        let pool = db.pool.clone();
-        async move {
-            let mut tx = pool.begin().await.unwrap();
-            tx.enqueue(&record).await.unwrap();
-            tx.commit().await.unwrap();
-            record.id
-        }
-    };
+    let enqueue = |record: PreparedOutboxRecord| committed(&db.pool, record);
     let unkeyed = |n: usize| {
         PreparedOutboxRecord::event(
             "Orders.Changed",
@@ -761,15 +761,7 @@ async fn the_postgres_claim_serves_keys_round_robin() {
 async fn a_postgres_claim_that_finds_no_unkeyed_rows_finds_keyed_ones() {
     let db = TestPg::new().await;
     migrate(&db.pool).await.unwrap();
-    let enqueue = |record: PreparedOutboxRecord| {
-        let pool = db.pool.clone();
-        async move {
-            let mut tx = pool.begin().await.unwrap();
-            tx.enqueue(&record).await.unwrap();
-            tx.commit().await.unwrap();
-            record.id
-        }
-    };
+    let enqueue = |record: PreparedOutboxRecord| committed(&db.pool, record);
     let repo = PgOutboxRepository::new(db.pool.clone());
     let claim = || {
         let repo = &repo;

@@ -403,6 +403,33 @@ async fn a_listener_that_loses_its_database_reports_each_failed_reconnect_then_r
     db.close().await;
 }
 
+/// The listener's errors (operation `listen for wake-ups`) a dispatcher reports, each with
+/// its causes, and the `on_error` that collects them.
+#[allow(clippy::type_complexity)]
+fn listen_errors() -> (
+    Arc<std::sync::Mutex<Vec<String>>>,
+    impl Fn(&trellis_outbox::DispatchError) + Send + Sync + 'static,
+) {
+    let errors = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let seen = errors.clone();
+    let on_error = move |error: &trellis_outbox::DispatchError| {
+        if let trellis_outbox::DispatchError::Repository {
+            operation: "listen for wake-ups",
+            source,
+        } = error
+        {
+            let mut chain = source.to_string();
+            let mut cause = std::error::Error::source(source);
+            while let Some(next) = cause {
+                chain = format!("{chain}: {next}");
+                cause = next.source();
+            }
+            seen.lock().unwrap().push(chain);
+        }
+    };
+    (errors, on_error)
+}
+
 /// A listening connection that dies without a reset (a peer or a network path gone: the
 /// relay stalls it, open but silent) is found by the listener's health check, after the
 /// dispatcher's idle interval of quiet, reported, and replaced.
@@ -419,28 +446,13 @@ async fn a_listener_whose_connection_goes_silent_checks_it_and_connects_again() 
         .connect_with(through)
         .await
         .unwrap();
-    let errors = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-    let seen = errors.clone();
+    let (errors, on_error) = listen_errors();
     let publisher = RecordingPublisher::new();
     let dispatcher =
         OutboxDispatcher::builder(PgOutboxRepository::new(db.pool.clone()), publisher.clone())
             .idle_interval(Duration::from_secs(1))
             .listen_postgres(&listen_pool, &OutboxTables::default())
-            .on_error(move |error| {
-                if let trellis_outbox::DispatchError::Repository {
-                    operation: "listen for wake-ups",
-                    source,
-                } = error
-                {
-                    let mut chain = source.to_string();
-                    let mut cause = std::error::Error::source(source);
-                    while let Some(next) = cause {
-                        chain = format!("{chain}: {next}");
-                        cause = next.source();
-                    }
-                    seen.lock().unwrap().push(chain);
-                }
-            })
+            .on_error(on_error)
             .start()
             .unwrap();
     until_listening(&db, "the dispatcher is not listening").await;
@@ -490,25 +502,14 @@ async fn a_listen_that_gets_no_answer_is_given_up_and_the_listener_connects_agai
     let listen_pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
         .connect_lazy_with(through);
-    let errors = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-    let seen = errors.clone();
+    let (errors, on_error) = listen_errors();
     let dispatcher = OutboxDispatcher::builder(
         PgOutboxRepository::new(db.pool.clone()),
         RecordingPublisher::new(),
     )
     .idle_interval(Duration::from_secs(3600))
     .listen_postgres(&listen_pool, &OutboxTables::default())
-    .on_error(move |error| {
-        if let trellis_outbox::DispatchError::Repository { source, .. } = error {
-            let mut chain = source.to_string();
-            let mut cause = std::error::Error::source(source);
-            while let Some(next) = cause {
-                chain = format!("{chain}: {next}");
-                cause = next.source();
-            }
-            seen.lock().unwrap().push(chain);
-        }
-    })
+    .on_error(on_error)
     .start()
     .unwrap();
     // The `LISTEN` was held back: the server never saw it.
