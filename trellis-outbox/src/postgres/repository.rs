@@ -58,8 +58,6 @@ impl RepositoryBackend for Postgres {
 
     async fn claim_due(on: On<'_, Self>, due: ClaimDue) -> Result<Claim> {
         let only = on.only;
-        // Whether keyed rows wait, as the claim of unkeyed rows found (`None`: not run).
-        let mut keyed_wait = None;
         let mut rows = if only.keyed.load(Ordering::Relaxed) {
             Vec::new()
         } else {
@@ -68,18 +66,17 @@ impl RepositoryBackend for Postgres {
                 .await
                 .map_err(Error::repository("claim"))?;
             // Nothing claimed: its one row has NULL claimed columns (a claimed row always has
-            // an id).
+            // an id), and says whether keyed rows wait.
             if let [answer] = rows.as_slice()
                 && matches!(answer.try_get::<Option<String>, _>("id"), Ok(None))
             {
-                keyed_wait = Some(answer.try_get::<bool, _>("keyed").unwrap_or(true));
+                if !answer.try_get::<bool, _>("keyed").unwrap_or(true) {
+                    return Ok(due.nothing_due());
+                }
                 rows.clear();
             }
             rows
         };
-        if rows.is_empty() && keyed_wait == Some(false) {
-            return Ok(due.nothing_due());
-        }
         // Keyed rows are waiting (or may have been written since the last claim saw none):
         // the claim of both kinds.
         if rows.is_empty() {
