@@ -200,14 +200,7 @@ async fn connect(pool: &PgPool, channel: &str) -> Result<Listener> {
     // Bounded like the health check: a connection that goes silent after the server ran the
     // `LISTEN` but before its answer arrived would otherwise hold the listener here for good,
     // where no health check runs.
-    let listened = match tokio::time::timeout(HEALTH_TIMEOUT, listener.listen(channel)).await {
-        Ok(listened) => listened,
-        Err(_) => Err(sqlx::Error::Io(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("the listening connection did not answer `LISTEN` within {HEALTH_TIMEOUT:?}"),
-        ))),
-    };
-    if let Err(error) = listened {
+    if let Err(error) = answered("`LISTEN`", listener.listen(channel)).await {
         Listener { listener, own }.close().await;
         return Err(listen_error(error));
     }
@@ -252,13 +245,22 @@ struct Listening {
 /// Whether `listener`'s connection still answers: `SELECT 1` within [`HEALTH_TIMEOUT`].
 /// (Notifications that arrive meanwhile are buffered by the listener, not lost.)
 async fn healthy(listener: &mut PgListener) -> std::result::Result<(), sqlx::Error> {
-    match tokio::time::timeout(HEALTH_TIMEOUT, sqlx::query("SELECT 1").execute(listener)).await {
-        Ok(answered) => answered.map(drop),
+    answered("a health check", sqlx::query("SELECT 1").execute(listener))
+        .await
+        .map(drop)
+}
+
+/// `request`'s answer on the listening connection, or a timed-out error naming `what` once
+/// [`HEALTH_TIMEOUT`] has passed without one.
+async fn answered<T>(
+    what: &str,
+    request: impl std::future::Future<Output = std::result::Result<T, sqlx::Error>>,
+) -> std::result::Result<T, sqlx::Error> {
+    match tokio::time::timeout(HEALTH_TIMEOUT, request).await {
+        Ok(answer) => answer,
         Err(_) => Err(sqlx::Error::Io(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
-            format!(
-                "the listening connection did not answer a health check within {HEALTH_TIMEOUT:?}"
-            ),
+            format!("the listening connection did not answer {what} within {HEALTH_TIMEOUT:?}"),
         ))),
     }
 }
