@@ -1977,6 +1977,79 @@ async fn a_replay_stored_before_is_recognised_after_the_duplicate_window() {
     assert_eq!(held_on(&js, REPLAY_STREAM, subject).await, 1, "stored once");
 }
 
+/// A replay stream that would not keep replays until they are read and settled (memory
+/// storage: gone in a server restart; deletes denied: settled replays could not be deleted)
+/// gets no replay, and the copy stays. On a private server, whose replay stream the test
+/// makes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_are_refused_where_the_replay_stream_would_lose_or_keep_them() {
+    use trellis_outbox_tests::nats::connect_reconnecting;
+    use trellis_outbox_tests::nats_server::NatsServer;
+    let server = NatsServer::start();
+    let js = connect_reconnecting(&server.url()).await;
+    js.create_stream(Config {
+        name: DEAD_LETTER_STREAM.into(),
+        subjects: vec![format!("{DEAD_LETTER_SUBJECT_PREFIX}.>")],
+        ..Config::default()
+    })
+    .await
+    .unwrap();
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "dlq:billing:ORDERS:7");
+    headers.insert(dead_letter_headers::MESSAGE_ID, "evt-7");
+    headers.insert(dead_letter_headers::SUBJECT, "orders.shipped.o7");
+    js.publish_with_headers(
+        format!("{DEAD_LETTER_SUBJECT_PREFIX}.billing"),
+        headers,
+        shipped(7).into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    use async_nats::jetstream::stream::StorageType;
+    for (storage, deny_delete, why) in [
+        (StorageType::Memory, false, "Memory storage"),
+        (StorageType::File, true, "denies deletes"),
+    ] {
+        let replays = js
+            .create_stream(Config {
+                name: REPLAY_STREAM.into(),
+                subjects: vec![format!("{REPLAY_SUBJECT_PREFIX}.>")],
+                max_messages_per_subject: 1,
+                discard: async_nats::jetstream::stream::DiscardPolicy::New,
+                discard_new_per_subject: true,
+                storage,
+                deny_delete,
+                ..Config::default()
+            })
+            .await
+            .unwrap();
+        replays
+            .create_consumer(PullConfig {
+                durable_name: Some("billing".into()),
+                filter_subject: format!("{REPLAY_SUBJECT_PREFIX}.billing.>"),
+                ack_policy: AckPolicy::Explicit,
+                ..PullConfig::default()
+            })
+            .await
+            .unwrap();
+        match trellis_outbox::replay_dead_letters(&js, "billing", 10).await {
+            Err(ConsumerError::ReplayRefused { consumer, problem }) => {
+                assert_eq!(consumer, "billing");
+                assert!(problem.contains(why), "{problem}");
+            }
+            other => panic!("expected ReplayRefused ({why}), got {other:?}"),
+        }
+        assert_eq!(
+            dead_letter_count(&js, "billing", 10).await,
+            1,
+            "the copy stays"
+        );
+        js.delete_stream(REPLAY_STREAM).await.unwrap();
+    }
+}
+
 #[tokio::test]
 async fn create_builds_the_stream_from_the_subject_template_and_bad_options_are_refused() {
     let db = TestSqlite::new().await;

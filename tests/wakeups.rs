@@ -405,7 +405,6 @@ async fn a_listener_that_loses_its_database_reports_each_failed_reconnect_then_r
 
 /// The listener's errors (operation `listen for wake-ups`) a dispatcher reports, each with
 /// its causes, and the `on_error` that collects them.
-#[allow(clippy::type_complexity)]
 fn listen_errors() -> (
     Arc<std::sync::Mutex<Vec<String>>>,
     impl Fn(&trellis_outbox::DispatchError) + Send + Sync + 'static,

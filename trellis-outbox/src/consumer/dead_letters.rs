@@ -507,16 +507,17 @@ async fn replay_stream(
             config.max_age
         )));
     }
-    if config.storage != StorageType::File || config.deny_delete {
+    if config.storage != StorageType::File {
         return Err(refused(format!(
-            "stream {REPLAY_STREAM} keeps messages in {:?} storage{}: replays could vanish in \
-             a server restart, or pile up",
-            config.storage,
-            if config.deny_delete {
-                " and denies deletes"
-            } else {
-                ""
-            }
+            "stream {REPLAY_STREAM} keeps messages in {:?} storage: a server restart would lose \
+             the replays waiting there",
+            config.storage
+        )));
+    }
+    if config.deny_delete {
+        return Err(refused(format!(
+            "stream {REPLAY_STREAM} denies deletes: its consumers could not delete the replays \
+             they settled"
         )));
     }
     let filter = replay_filter(consumer)?;
