@@ -1983,57 +1983,18 @@ async fn a_replay_stored_before_is_recognised_after_the_duplicate_window() {
 /// makes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_are_refused_where_the_replay_stream_would_lose_or_keep_them() {
-    use trellis_outbox_tests::nats::connect_reconnecting;
+    use async_nats::jetstream::stream::StorageType;
     use trellis_outbox_tests::nats_server::NatsServer;
     let server = NatsServer::start();
-    let js = connect_reconnecting(&server.url()).await;
-    js.create_stream(Config {
-        name: DEAD_LETTER_STREAM.into(),
-        subjects: vec![format!("{DEAD_LETTER_SUBJECT_PREFIX}.>")],
-        ..Config::default()
-    })
-    .await
-    .unwrap();
+    let js = private_dead_letters(&server).await;
     let mut headers = HeaderMap::new();
     headers.insert("Nats-Msg-Id", "dlq:billing:ORDERS:7");
-    headers.insert(dead_letter_headers::MESSAGE_ID, "evt-7");
-    headers.insert(dead_letter_headers::SUBJECT, "orders.shipped.o7");
-    js.publish_with_headers(
-        format!("{DEAD_LETTER_SUBJECT_PREFIX}.billing"),
-        headers,
-        shipped(7).into(),
-    )
-    .await
-    .unwrap()
-    .await
-    .unwrap();
-    use async_nats::jetstream::stream::StorageType;
+    store_copy(&js, "evt-7", headers, shipped(7)).await;
     for (storage, deny_delete, why) in [
         (StorageType::Memory, false, "Memory storage"),
         (StorageType::File, true, "denies deletes"),
     ] {
-        let replays = js
-            .create_stream(Config {
-                name: REPLAY_STREAM.into(),
-                subjects: vec![format!("{REPLAY_SUBJECT_PREFIX}.>")],
-                max_messages_per_subject: 1,
-                discard: async_nats::jetstream::stream::DiscardPolicy::New,
-                discard_new_per_subject: true,
-                storage,
-                deny_delete,
-                ..Config::default()
-            })
-            .await
-            .unwrap();
-        replays
-            .create_consumer(PullConfig {
-                durable_name: Some("billing".into()),
-                filter_subject: format!("{REPLAY_SUBJECT_PREFIX}.billing.>"),
-                ack_policy: AckPolicy::Explicit,
-                ..PullConfig::default()
-            })
-            .await
-            .unwrap();
+        replay_stream(&js, "billing", storage, deny_delete).await;
         match trellis_outbox::replay_dead_letters(&js, "billing", 10).await {
             Err(ConsumerError::ReplayRefused { consumer, problem }) => {
                 assert_eq!(consumer, "billing");
@@ -2048,6 +2009,131 @@ async fn replays_are_refused_where_the_replay_stream_would_lose_or_keep_them() {
         );
         js.delete_stream(REPLAY_STREAM).await.unwrap();
     }
+}
+
+/// A copy that fits the server's `max_payload` but whose replay would not (written by
+/// another tool without a `Nats-Msg-Id`, so the replay's id is longer than anything the copy
+/// loses) is left in place with the reason, and the run goes on to replay the next copy.
+/// On a private server whose `max_payload` (4 KiB) is set in a configuration file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_whose_replay_would_exceed_max_payload_is_left_and_the_rest_replayed() {
+    use async_nats::jetstream::stream::StorageType;
+    use trellis_outbox_tests::nats_server::NatsServer;
+    let config = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(config.path(), "max_payload: 4096\n").unwrap();
+    let server = NatsServer::start_with_args(&["-c", config.path().to_str().unwrap()]);
+    let js = private_dead_letters(&server).await;
+    let max_payload = js.client().server_info().max_payload;
+    assert_eq!(max_payload, 4096, "the configuration file set max_payload");
+    // The copy's headers as NATS counts them ("NATS/1.0\r\n", "<name>: <value>\r\n" each,
+    // "\r\n"): the payload fills the rest, so the copy fits exactly.
+    let big = {
+        let mut headers = HeaderMap::new();
+        headers.insert(dead_letter_headers::MESSAGE_ID, "evt-big");
+        headers.insert(dead_letter_headers::SUBJECT, "orders.shipped.big");
+        headers
+    };
+    let wire = 10
+        + 2
+        + big.iter().fold(0, |sum, (name, values)| {
+            sum + values
+                .iter()
+                .map(|v| AsRef::<str>::as_ref(name).len() + 2 + v.as_str().len() + 2)
+                .sum::<usize>()
+        });
+    store_copy(&js, "evt-big", big, vec![b'x'; max_payload - wire]).await;
+    let mut small = HeaderMap::new();
+    small.insert("Nats-Msg-Id", "dlq:billing:ORDERS:8");
+    store_copy(&js, "evt-8", small, shipped(8)).await;
+    replay_stream(&js, "billing", StorageType::File, false).await;
+
+    let report = trellis_outbox::replay_dead_letters(&js, "billing", 10)
+        .await
+        .unwrap();
+    assert_eq!(report.replayed, 1, "{report:?}");
+    assert_eq!(report.left.len(), 1, "{report:?}");
+    assert_eq!(report.left[0].message_id.as_deref(), Some("evt-big"));
+    assert!(
+        report.left[0].reason.contains("max_payload"),
+        "{}",
+        report.left[0].reason
+    );
+    let left = trellis_outbox::dead_letters(&js, "billing", 10)
+        .await
+        .unwrap();
+    assert_eq!(
+        left.len(),
+        1,
+        "the large copy stays, the replayed one is gone"
+    );
+    assert_eq!(left[0].message_id.as_deref(), Some("evt-big"));
+    let mut replays = js.get_stream(REPLAY_STREAM).await.unwrap();
+    assert_eq!(replays.info().await.unwrap().state.messages, 1);
+}
+
+/// A connection to a private server whose dead-letter stream the test makes.
+async fn private_dead_letters(server: &trellis_outbox_tests::nats_server::NatsServer) -> Context {
+    let js = trellis_outbox_tests::nats::connect_reconnecting(&server.url()).await;
+    js.create_stream(Config {
+        name: DEAD_LETTER_STREAM.into(),
+        subjects: vec![format!("{DEAD_LETTER_SUBJECT_PREFIX}.>")],
+        ..Config::default()
+    })
+    .await
+    .unwrap();
+    js
+}
+
+/// Stores a dead-letter copy of consumer `billing`'s message `id` (subject
+/// `orders.shipped.<id>` unless `headers` names one) with `headers`, as a tool would.
+async fn store_copy(js: &Context, id: &str, mut headers: HeaderMap, payload: Vec<u8>) {
+    headers.insert(dead_letter_headers::MESSAGE_ID, id);
+    if headers.get(dead_letter_headers::SUBJECT).is_none() {
+        headers.insert(
+            dead_letter_headers::SUBJECT,
+            format!("orders.shipped.{id}").as_str(),
+        );
+    }
+    js.publish_with_headers(
+        format!("{DEAD_LETTER_SUBJECT_PREFIX}.billing"),
+        headers,
+        payload.into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+}
+
+/// Makes the replay stream, with `storage` and `deny_delete`, and `consumer`'s durable on it.
+async fn replay_stream(
+    js: &Context,
+    consumer: &str,
+    storage: async_nats::jetstream::stream::StorageType,
+    deny_delete: bool,
+) {
+    let replays = js
+        .create_stream(Config {
+            name: REPLAY_STREAM.into(),
+            subjects: vec![format!("{REPLAY_SUBJECT_PREFIX}.>")],
+            max_messages_per_subject: 1,
+            discard: async_nats::jetstream::stream::DiscardPolicy::New,
+            discard_new_per_subject: true,
+            storage,
+            deny_delete,
+            ..Config::default()
+        })
+        .await
+        .unwrap();
+    replays
+        .create_consumer(PullConfig {
+            durable_name: Some(consumer.into()),
+            filter_subject: format!("{REPLAY_SUBJECT_PREFIX}.{consumer}.>"),
+            ack_policy: AckPolicy::Explicit,
+            ..PullConfig::default()
+        })
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
