@@ -1906,55 +1906,18 @@ async fn a_replay_durable_serves_the_consumer_of_one_stream() {
 /// stream has a short duplicate window.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_stored_before_is_recognised_after_the_duplicate_window() {
-    use trellis_outbox_tests::nats::connect_reconnecting;
     use trellis_outbox_tests::nats_server::NatsServer;
     let server = NatsServer::start();
-    let js = connect_reconnecting(&server.url()).await;
+    let js = private_dead_letters(&server).await;
     let window = Duration::from_millis(200);
-    let replays = js
-        .create_stream(Config {
-            name: REPLAY_STREAM.into(),
-            subjects: vec![format!("{REPLAY_SUBJECT_PREFIX}.>")],
-            max_messages_per_subject: 1,
-            discard: async_nats::jetstream::stream::DiscardPolicy::New,
-            discard_new_per_subject: true,
-            duplicate_window: window,
-            ..Config::default()
-        })
-        .await
-        .unwrap();
-    js.create_stream(Config {
-        name: DEAD_LETTER_STREAM.into(),
-        subjects: vec![format!("{DEAD_LETTER_SUBJECT_PREFIX}.>")],
-        ..Config::default()
-    })
-    .await
-    .unwrap();
-    replays
-        .create_consumer(PullConfig {
-            durable_name: Some("billing".into()),
-            filter_subject: format!("{REPLAY_SUBJECT_PREFIX}.billing.>"),
-            ack_policy: AckPolicy::Explicit,
-            ..PullConfig::default()
-        })
-        .await
-        .unwrap();
+    replay_stream(&js, "billing", |config| config.duplicate_window = window).await;
     let mut headers = HeaderMap::new();
     headers.insert("Nats-Msg-Id", "dlq:billing:ORDERS:7");
-    headers.insert(dead_letter_headers::MESSAGE_ID, "evt-7");
     headers.insert(dead_letter_headers::SUBJECT, "orders.shipped.o7");
-    let stored = js
-        .publish_with_headers(
-            format!("{DEAD_LETTER_SUBJECT_PREFIX}.billing"),
-            headers.clone(),
-            shipped(7).into(),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    let sequence = store_copy(&js, "evt-7", headers.clone(), shipped(7)).await;
     // The earlier run's replay of that copy.
-    let subject = format!("{REPLAY_SUBJECT_PREFIX}.billing.{}", stored.sequence);
+    let subject = format!("{REPLAY_SUBJECT_PREFIX}.billing.{sequence}");
+    headers.insert(dead_letter_headers::MESSAGE_ID, "evt-7");
     headers.insert("Nats-Msg-Id", "replay:dlq:billing:ORDERS:7");
     js.publish_with_headers(subject.clone(), headers, shipped(7).into())
         .await
@@ -1994,7 +1957,11 @@ async fn replays_are_refused_where_the_replay_stream_would_lose_or_keep_them() {
         (StorageType::Memory, false, "Memory storage"),
         (StorageType::File, true, "denies deletes"),
     ] {
-        replay_stream(&js, "billing", storage, deny_delete).await;
+        replay_stream(&js, "billing", |config| {
+            config.storage = storage;
+            config.deny_delete = deny_delete;
+        })
+        .await;
         match trellis_outbox::replay_dead_letters(&js, "billing", 10).await {
             Err(ConsumerError::ReplayRefused { consumer, problem }) => {
                 assert_eq!(consumer, "billing");
@@ -2017,7 +1984,6 @@ async fn replays_are_refused_where_the_replay_stream_would_lose_or_keep_them() {
 /// On a private server whose `max_payload` (4 KiB) is set in a configuration file.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_copy_whose_replay_would_exceed_max_payload_is_left_and_the_rest_replayed() {
-    use async_nats::jetstream::stream::StorageType;
     use trellis_outbox_tests::nats_server::NatsServer;
     let config = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(config.path(), "max_payload: 4096\n").unwrap();
@@ -2045,7 +2011,7 @@ async fn a_copy_whose_replay_would_exceed_max_payload_is_left_and_the_rest_repla
     let mut small = HeaderMap::new();
     small.insert("Nats-Msg-Id", "dlq:billing:ORDERS:8");
     store_copy(&js, "evt-8", small, shipped(8)).await;
-    replay_stream(&js, "billing", StorageType::File, false).await;
+    replay_stream(&js, "billing", |_| {}).await;
 
     let report = trellis_outbox::replay_dead_letters(&js, "billing", 10)
         .await
@@ -2085,8 +2051,9 @@ async fn private_dead_letters(server: &trellis_outbox_tests::nats_server::NatsSe
 }
 
 /// Stores a dead-letter copy of consumer `billing`'s message `id` (subject
-/// `orders.shipped.<id>` unless `headers` names one) with `headers`, as a tool would.
-async fn store_copy(js: &Context, id: &str, mut headers: HeaderMap, payload: Vec<u8>) {
+/// `orders.shipped.<id>` unless `headers` names one) with `headers`, as a tool would; returns
+/// its sequence.
+async fn store_copy(js: &Context, id: &str, mut headers: HeaderMap, payload: Vec<u8>) -> u64 {
     headers.insert(dead_letter_headers::MESSAGE_ID, id);
     if headers.get(dead_letter_headers::SUBJECT).is_none() {
         headers.insert(
@@ -2102,29 +2069,23 @@ async fn store_copy(js: &Context, id: &str, mut headers: HeaderMap, payload: Vec
     .await
     .unwrap()
     .await
-    .unwrap();
+    .unwrap()
+    .sequence
 }
 
-/// Makes the replay stream, with `storage` and `deny_delete`, and `consumer`'s durable on it.
-async fn replay_stream(
-    js: &Context,
-    consumer: &str,
-    storage: async_nats::jetstream::stream::StorageType,
-    deny_delete: bool,
-) {
-    let replays = js
-        .create_stream(Config {
-            name: REPLAY_STREAM.into(),
-            subjects: vec![format!("{REPLAY_SUBJECT_PREFIX}.>")],
-            max_messages_per_subject: 1,
-            discard: async_nats::jetstream::stream::DiscardPolicy::New,
-            discard_new_per_subject: true,
-            storage,
-            deny_delete,
-            ..Config::default()
-        })
-        .await
-        .unwrap();
+/// Makes the replay stream as `replay_dead_letters` wants it, changed by `adjust`, and
+/// `consumer`'s durable on it.
+async fn replay_stream(js: &Context, consumer: &str, adjust: impl FnOnce(&mut Config)) {
+    let mut config = Config {
+        name: REPLAY_STREAM.into(),
+        subjects: vec![format!("{REPLAY_SUBJECT_PREFIX}.>")],
+        max_messages_per_subject: 1,
+        discard: async_nats::jetstream::stream::DiscardPolicy::New,
+        discard_new_per_subject: true,
+        ..Config::default()
+    };
+    adjust(&mut config);
+    let replays = js.create_stream(config).await.unwrap();
     replays
         .create_consumer(PullConfig {
             durable_name: Some(consumer.into()),
