@@ -101,7 +101,7 @@ async fn sqlite_migrate_status_list_inspect_retry_purge() {
         migrated.contains("applied trellis_sql_outbox_inbox_sqlite_v1"),
         "{migrated}"
     );
-    assert!(ok(&tool(&url, &nats, &["migrate"])).contains("0 applied, 8 already applied"));
+    assert!(ok(&tool(&url, &nats, &["migrate"])).contains("0 applied, 9 already applied"));
 
     let empty: Value =
         serde_json::from_str(&ok(&tool(&url, &nats, &["status", "--json"]))).unwrap();

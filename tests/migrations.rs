@@ -84,7 +84,7 @@ fn v3_is_pinned() {
         (Dialect::Postgres, "fnv1a64:60a1bb47a8cb8d22"),
     ] {
         let all = migrations(dialect, &OutboxTables::default());
-        assert_eq!(all.len(), 8);
+        assert_eq!(all.len(), 9);
         let v3 = &all[2];
         assert_eq!(v3.id, format!("trellis_sql_outbox_inbox_{dialect}_v3"));
         assert_eq!(v3.version, 3);
@@ -137,7 +137,7 @@ fn v5_is_pinned() {
         (Dialect::Postgres, "fnv1a64:f4e56595a45db5fe", 9),
     ] {
         let all = migrations(dialect, &OutboxTables::default());
-        assert_eq!(all.len(), 8);
+        assert_eq!(all.len(), 9);
         let v5 = &all[4];
         assert_eq!(v5.id, format!("trellis_sql_outbox_inbox_{dialect}_v5"));
         assert_eq!(v5.version, 5);
@@ -252,13 +252,42 @@ fn v8_is_pinned() {
         (Dialect::Postgres, "fnv1a64:7212eb1432a97a6d", 1),
     ] {
         let all = migrations(dialect, &OutboxTables::default());
-        assert_eq!(all.len(), 8);
+        assert_eq!(all.len(), 9);
         let v8 = &all[7];
         assert_eq!(v8.id, format!("trellis_sql_outbox_inbox_{dialect}_v8"));
         assert_eq!(v8.version, 8);
         assert_eq!(v8.checksum, checksum, "{dialect}");
         assert_eq!(v8.up.len(), statements, "{dialect}");
     }
+}
+
+// Version 9: on Postgres that index without deduplication (a posting list that mixed a key's
+// dispatched rows with its open ones was never marked dead, so the key walk read the heap for
+// every dispatched row until a vacuum); nothing on SQLite. Checksums computed independently
+// (Python).
+#[test]
+fn v9_is_pinned() {
+    for (dialect, checksum, statements) in [
+        (Dialect::Sqlite, "fnv1a64:439101d5f448b098", 0),
+        (Dialect::Postgres, "fnv1a64:08ca84e37266e491", 1),
+    ] {
+        let all = migrations(dialect, &OutboxTables::default());
+        assert_eq!(all.len(), 9);
+        let v9 = &all[8];
+        assert_eq!(v9.id, format!("trellis_sql_outbox_inbox_{dialect}_v9"));
+        assert_eq!(v9.version, 9);
+        assert_eq!(v9.checksum, checksum, "{dialect}");
+        assert_eq!(v9.up.len(), statements, "{dialect}");
+    }
+    let pg = &migrations(Dialect::Postgres, &OutboxTables::default())[8];
+    assert_eq!(
+        pg.up,
+        ["ALTER INDEX IF EXISTS trellis_outbox_ord_open SET (deduplicate_items = off)"]
+    );
+    assert_eq!(
+        pg.down,
+        ["ALTER INDEX IF EXISTS trellis_outbox_ord_open RESET (deduplicate_items)"]
+    );
 }
 
 // Version 7: the Postgres ordering trigger locks one of 1,024 buckets per key instead of a
@@ -322,7 +351,7 @@ fn script_is_pasteable() {
     assert_eq!(
         sql.matches(";\n").count(),
         17,
-        "SQLite: 3 statements in v1 and v2, 5 in v3, 2 in v4, 4 in v5, none in v6, v7 and v8"
+        "SQLite: 3 statements in v1 and v2, 5 in v3, 2 in v4, 4 in v5, none in v6 to v9"
     );
 }
 
@@ -357,7 +386,8 @@ async fn pg_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_postgres_v5",
             "trellis_sql_outbox_inbox_postgres_v6",
             "trellis_sql_outbox_inbox_postgres_v7",
-            "trellis_sql_outbox_inbox_postgres_v8"
+            "trellis_sql_outbox_inbox_postgres_v8",
+            "trellis_sql_outbox_inbox_postgres_v9"
         ]
     );
     assert!(first.already_applied.is_empty());
@@ -395,7 +425,8 @@ async fn pg_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_postgres_v5",
             "trellis_sql_outbox_inbox_postgres_v6",
             "trellis_sql_outbox_inbox_postgres_v7",
-            "trellis_sql_outbox_inbox_postgres_v8"
+            "trellis_sql_outbox_inbox_postgres_v8",
+            "trellis_sql_outbox_inbox_postgres_v9"
         ]
     );
     let (id, checksum): (String, String) = sqlx::query_as(
@@ -423,7 +454,8 @@ async fn sqlite_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_sqlite_v5",
             "trellis_sql_outbox_inbox_sqlite_v6",
             "trellis_sql_outbox_inbox_sqlite_v7",
-            "trellis_sql_outbox_inbox_sqlite_v8"
+            "trellis_sql_outbox_inbox_sqlite_v8",
+            "trellis_sql_outbox_inbox_sqlite_v9"
         ]
     );
     for table in [
@@ -449,7 +481,8 @@ async fn sqlite_migrate_twice_is_a_no_op() {
             "trellis_sql_outbox_inbox_sqlite_v5",
             "trellis_sql_outbox_inbox_sqlite_v6",
             "trellis_sql_outbox_inbox_sqlite_v7",
-            "trellis_sql_outbox_inbox_sqlite_v8"
+            "trellis_sql_outbox_inbox_sqlite_v8",
+            "trellis_sql_outbox_inbox_sqlite_v9"
         ]
     );
 }
@@ -505,12 +538,12 @@ async fn pg_concurrent_migrations_apply_once() {
     let db = TestPg::new().await;
     let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
     let applied: usize = reports.into_iter().map(|r| r.unwrap().applied.len()).sum();
-    assert_eq!(applied, 8, "each version applied by exactly one caller");
+    assert_eq!(applied, 9, "each version applied by exactly one caller");
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox_migrations")
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    assert_eq!(rows, 8, "one bookkeeping row per version");
+    assert_eq!(rows, 9, "one bookkeeping row per version");
     db.close().await;
 }
 
@@ -519,19 +552,19 @@ async fn sqlite_concurrent_migrations_apply_once() {
     let db = TestSqlite::new().await;
     let reports = join_all((0..4).map(|_| migrate(&db.pool))).await;
     let applied: usize = reports.into_iter().map(|r| r.unwrap().applied.len()).sum();
-    assert_eq!(applied, 8, "each version applied by exactly one caller");
+    assert_eq!(applied, 9, "each version applied by exactly one caller");
 }
 
 #[tokio::test]
 async fn pg_custom_tables_are_separate_and_default_ones_untouched() {
     let db = TestPg::new().await;
     let report = migrate_with(&db.pool, &service_tables()).await.unwrap();
-    assert_eq!(report.applied.len(), 8);
+    assert_eq!(report.applied.len(), 9);
     assert!(pg_table_exists(&db.pool, "service_outbox").await);
     assert!(pg_table_exists(&db.pool, "service_inbox").await);
     assert!(!pg_table_exists(&db.pool, "trellis_outbox").await);
     // The default tables are migrated independently in the same database.
-    assert_eq!(migrate(&db.pool).await.unwrap().applied.len(), 8);
+    assert_eq!(migrate(&db.pool).await.unwrap().applied.len(), 9);
     assert!(pg_table_exists(&db.pool, "trellis_outbox").await);
     db.close().await;
 }
@@ -562,7 +595,8 @@ async fn sqlite_adopts_a_table_created_by_trellis_ts() {
             "trellis_sql_outbox_inbox_sqlite_v5",
             "trellis_sql_outbox_inbox_sqlite_v6",
             "trellis_sql_outbox_inbox_sqlite_v7",
-            "trellis_sql_outbox_inbox_sqlite_v8"
+            "trellis_sql_outbox_inbox_sqlite_v8",
+            "trellis_sql_outbox_inbox_sqlite_v9"
         ]
     );
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM trellis_outbox")
@@ -602,7 +636,7 @@ where
     }
     let report = migrate(pool).await.unwrap();
     assert!(report.upgraded_from_0_10);
-    assert_eq!(report.applied.len(), 8);
+    assert_eq!(report.applied.len(), 9);
     let again = migrate(pool).await.unwrap();
     assert!(!again.upgraded_from_0_10 && again.applied.is_empty());
 
@@ -675,11 +709,11 @@ async fn pg_mixed_case_names_are_one_table() {
     let mixed = OutboxTables::new("Mixed_Outbox", "Mixed_Inbox").unwrap();
     let report = migrate_with(&db.pool, &mixed).await.unwrap();
     assert!(report.upgraded_from_0_10, "{report:?}");
-    assert_eq!(report.applied.len(), 8);
+    assert_eq!(report.applied.len(), 9);
     let lower = OutboxTables::new("mixed_outbox", "mixed_inbox").unwrap();
     let again = migrate_with(&db.pool, &lower).await.unwrap();
     assert!(again.applied.is_empty(), "{again:?}");
-    assert_eq!(again.already_applied.len(), 8);
+    assert_eq!(again.already_applied.len(), 9);
     let outbox = trellis_outbox::Outbox::new(mixed);
     let mut tx = db.pool.begin().await.unwrap();
     outbox
@@ -706,7 +740,7 @@ async fn sqlite_mixed_case_names_share_their_record() {
     let mixed = OutboxTables::new("Mixed_Outbox", "Mixed_Inbox").unwrap();
     assert_eq!(
         migrate_with(&db.pool, &mixed).await.unwrap().applied.len(),
-        8
+        9
     );
     let lower = OutboxTables::new("mixed_outbox", "mixed_inbox").unwrap();
     let again = migrate_with(&db.pool, &lower).await.unwrap();
@@ -727,7 +761,7 @@ async fn tables_from_the_script_can_be_migrated<DB: trellis_outbox::OutboxDataba
         .await
         .unwrap();
     let report = migrate(pool).await.unwrap();
-    assert_eq!(report.applied.len(), 8, "{report:?}");
+    assert_eq!(report.applied.len(), 9, "{report:?}");
     assert!(migrate(pool).await.unwrap().applied.is_empty());
 }
 
@@ -791,7 +825,7 @@ async fn pg_migrate_needs_no_create_privilege_when_nothing_is_pending() {
             .unwrap();
     }
     let report = outcome.unwrap();
-    assert!(report.applied.is_empty() && report.already_applied.len() == 8);
+    assert!(report.applied.is_empty() && report.already_applied.len() == 9);
     db.close().await;
 }
 
@@ -916,12 +950,13 @@ async fn sqlite_a_busy_write_lock_is_reported_as_the_begin_step() {
     assert!(err.is_retryable(), "{err}");
 }
 
-/// The README's recipe for version 8 on a large table: the index built beforehand with
-/// `CREATE INDEX CONCURRENTLY` (the README's statement, copied here) is the one the migration
-/// would build, and the migration then applies version 8 without building another.
+/// The README's recipe for versions 8 and 9 on a large table: the index built beforehand with
+/// `CREATE INDEX CONCURRENTLY` (the README's statement, copied here) is the one the migrations
+/// would build, and they then apply without building another.
 #[tokio::test]
 async fn pg_version_8_accepts_its_index_built_concurrently_beforehand() {
     const README: &str = "CREATE INDEX CONCURRENTLY IF NOT EXISTS trellis_outbox_ord_open ON trellis_outbox (ordering_key) \
+         WITH (deduplicate_items = off) \
          WHERE ordering_key IS NOT NULL AND state IN ('pending', 'failed', 'claimed')";
     let db = TestPg::new().await;
     migrate(&db.pool).await.unwrap();
@@ -939,7 +974,9 @@ async fn pg_version_8_accepts_its_index_built_concurrently_beforehand() {
     assert_eq!(migrated.len(), 1, "{migrated:?}");
 
     // A database at version 7, whose operator builds the index by hand.
-    sqlx::raw_sql("DROP INDEX trellis_outbox_ord_open; DELETE FROM trellis_outbox_migrations WHERE version = 8")
+    sqlx::raw_sql(
+        "DROP INDEX trellis_outbox_ord_open; DELETE FROM trellis_outbox_migrations WHERE version >= 8",
+    )
         .execute(&db.pool)
         .await
         .unwrap();
@@ -952,7 +989,10 @@ async fn pg_version_8_accepts_its_index_built_concurrently_beforehand() {
     let report = migrate(&db.pool).await.unwrap();
     assert_eq!(
         report.applied,
-        ["trellis_sql_outbox_inbox_postgres_v8"],
+        [
+            "trellis_sql_outbox_inbox_postgres_v8",
+            "trellis_sql_outbox_inbox_postgres_v9"
+        ],
         "{report:?}"
     );
     let indexes: i64 = sqlx::query_scalar(
@@ -962,5 +1002,91 @@ async fn pg_version_8_accepts_its_index_built_concurrently_beforehand() {
     .await
     .unwrap();
     assert_eq!(indexes, 1);
+    db.close().await;
+}
+
+/// Heap reads of one key-walk step (`min(ordering_key)` over `<outbox>_ord_open`) on the
+/// second of two identical scans, after 50 of each key's 60 rows were dispatched (20 keys,
+/// rows interleaved; autovacuum off, so only the scans can mark entries dead). The first
+/// key's entries (two row versions each: the ordering trigger numbers a row with an update)
+/// share one leaf page, and deduplicated one posting list, which then mixes dispatched rows
+/// with open ones, as in a table whose keys have tens or hundreds of rows each. `<outbox>_ord_idx` is dropped so the step reads
+/// `<outbox>_ord_open`, as the plan asserts.
+async fn second_walk_heap_fetches(pool: &sqlx::PgPool) -> i64 {
+    sqlx::raw_sql(
+        "ALTER TABLE trellis_outbox SET (autovacuum_enabled = off); \
+         DROP INDEX IF EXISTS trellis_outbox_ord_idx; TRUNCATE trellis_outbox; \
+         INSERT INTO trellis_outbox (id, kind, name, subject, payload, headers, state, attempts, \
+         created_at, updated_at, ordering_key, ordering_skip_dead) \
+         SELECT lpad(i::text, 26, '0'), 'event.publish', 'Orders.Shipped', 'orders.shipped', '{}', \
+         '{}', 'pending', 0, now(), now(), 'order-' || lpad((i % 20)::text, 2, '0'), false \
+         FROM generate_series(1, 1200) AS i",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    sqlx::raw_sql(
+        "UPDATE trellis_outbox SET state = 'dispatched' WHERE id IN (SELECT id FROM \
+         (SELECT id, row_number() OVER (PARTITION BY ordering_key ORDER BY ordering_seq) AS n \
+         FROM trellis_outbox) AS r WHERE n <= 50); ANALYZE trellis_outbox",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::raw_sql("SET enable_seqscan = off; SET enable_bitmapscan = off")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let mut fetches = Vec::new();
+    for _ in 0..2 {
+        let plan: serde_json::Value = sqlx::query_scalar(
+            "EXPLAIN (ANALYZE, FORMAT JSON) SELECT min(ordering_key) FROM trellis_outbox \
+             WHERE ordering_key IS NOT NULL AND state IN ('pending', 'failed', 'claimed') \
+             AND ordering_key > ''",
+        )
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+        let text = plan.to_string();
+        assert!(text.contains("trellis_outbox_ord_open"), "{text}");
+        fn heap_fetches(node: &serde_json::Value) -> i64 {
+            let own = node["Heap Fetches"].as_i64().unwrap_or(0);
+            let below: i64 = node["Plans"]
+                .as_array()
+                .map_or(0, |plans| plans.iter().map(heap_fetches).sum());
+            own + below
+        }
+        fetches.push(heap_fetches(&plan[0]["Plan"]));
+    }
+    assert!(
+        fetches[0] >= 80,
+        "the first scan reads the dispatched rows: {fetches:?}"
+    );
+    eprintln!("key walk heap reads, first and second scan: {fetches:?}");
+    fetches[1]
+}
+
+/// Version 9: with `<outbox>_ord_open` deduplicated (version 8), the entries of a key's
+/// dispatched rows share a posting list with its open ones and are never marked dead, so
+/// every key-walk step reads the heap for each of them again until a vacuum; without
+/// posting lists the first scan marks them and the next reads almost none.
+#[tokio::test]
+async fn pg_key_walk_reads_dispatched_rows_once() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let undeduplicated = second_walk_heap_fetches(&db.pool).await;
+    assert!(undeduplicated < 20, "version 9: {undeduplicated}");
+
+    // Version 8's index: the same scan reads every dispatched row again.
+    sqlx::raw_sql(
+        "ALTER INDEX trellis_outbox_ord_open RESET (deduplicate_items); \
+         REINDEX INDEX trellis_outbox_ord_open",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let deduplicated = second_walk_heap_fetches(&db.pool).await;
+    assert!(deduplicated >= 80, "version 8: {deduplicated}");
     db.close().await;
 }

@@ -91,7 +91,7 @@ async fn sqlite_null_ids_and_unknown_states_go_dead_and_are_reported_once() {
         .await
         .unwrap();
     let report = migrate(&db.pool).await.unwrap();
-    assert_eq!(report.applied.len(), 8, "{report:?}");
+    assert_eq!(report.applied.len(), 9, "{report:?}");
 
     let repo = SqliteOutboxRepository::new(db.pool.clone());
     let heard = poisoned(dispatch_until_published(repo.clone(), "good-1").await);
@@ -243,7 +243,7 @@ async fn postgres_unknown_states_go_dead_and_are_reported_once() {
             .unwrap();
     }
     let report = migrate(&db.pool).await.unwrap();
-    assert_eq!(report.applied.len(), 8, "{report:?}");
+    assert_eq!(report.applied.len(), 9, "{report:?}");
 
     let repo = PgOutboxRepository::new(db.pool.clone());
     let heard = poisoned(dispatch_until_published(repo.clone(), "good-1").await);

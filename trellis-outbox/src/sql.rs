@@ -352,6 +352,9 @@ pub(crate) struct Schema {
     /// Version 8: on Postgres an index of the keys with open rows, for the key walk; none
     /// on SQLite.
     pub(crate) open_keys: fn(&str) -> Ddl,
+    /// Version 9: on Postgres that index without deduplication, so a scan can mark the
+    /// entries of dispatched rows dead one by one; none on SQLite.
+    pub(crate) open_keys_undeduplicated: fn(&str) -> Ddl,
 }
 
 impl Schema {
@@ -375,6 +378,7 @@ impl Schema {
             (self.unkeyed_claim)(o),
             (self.ordering_locks)(o),
             (self.open_keys)(o),
+            (self.open_keys_undeduplicated)(o),
         ]
     }
 

@@ -21,13 +21,15 @@ pub(crate) const SCHEMA: Schema = Schema {
     unkeyed_claim,
     ordering_locks: unkeyed_claim,
     open_keys: unkeyed_claim,
+    open_keys_undeduplicated: unkeyed_claim,
 };
 
-/// Versions 6, 7 and 8: nothing on SQLite. Its claim takes the heads of keys through
+/// Versions 6, 7, 8 and 9: nothing on SQLite. Its claim takes the heads of keys through
 /// `<outbox>_claim_idx`, so that index keeps the keyed rows (on Postgres version 6 drops
 /// them from it); it has one writer and no advisory locks (version 7 on Postgres spreads
 /// the ordering trigger's locks over buckets; version 8 indexes the keys with open rows for
-/// its key walk, which SQLite does not have).
+/// its key walk, which SQLite does not have, and version 9 turns that index's deduplication
+/// off).
 fn unkeyed_claim(_: &str) -> Ddl {
     Ddl {
         up: Vec::new(),
