@@ -94,8 +94,8 @@ fn down_scripts_are_printed_newest_first() {
     for dialect in ["postgres", "sqlite"] {
         let up = run(&["sql", "--dialect", dialect]).unwrap();
         let down = run(&["sql", "--dialect", dialect, "--down"]).unwrap();
-        assert_eq!(versions(&up), [1, 2, 3, 4, 5, 6, 7, 8], "{dialect}");
-        assert_eq!(versions(&down), [8, 7, 6, 5, 4, 3, 2, 1], "{dialect}");
+        assert_eq!(versions(&up), [1, 2, 3, 4, 5, 6, 7, 8, 9], "{dialect}");
+        assert_eq!(versions(&down), [9, 8, 7, 6, 5, 4, 3, 2, 1], "{dialect}");
     }
 }
 
@@ -175,7 +175,7 @@ fn rejects_bad_input_with_a_clear_message() {
     // The version as a number, and the versions there are (not `Some(99)`).
     let err = run(&["sql", "--dialect", "sqlite", "--version", "99"]).unwrap_err();
     assert_eq!(
-        err, "no migration version 99; known versions: 1, 2, 3, 4, 5, 6, 7, 8",
+        err, "no migration version 99; known versions: 1, 2, 3, 4, 5, 6, 7, 8, 9",
         "{err}"
     );
 }
@@ -630,7 +630,7 @@ async fn pg_migrate_gives_up_after_its_lock_timeout() {
     );
     let applied = run_on(&url, &["migrate"]).await.unwrap();
     assert!(
-        applied.contains("1 applied, 7 already applied"),
+        applied.contains("1 applied, 8 already applied"),
         "{applied}"
     );
     db.close().await;
