@@ -1005,8 +1005,8 @@ async fn pg_version_8_accepts_its_index_built_concurrently_beforehand() {
     db.close().await;
 }
 
-/// Heap reads of one key-walk step (`min(ordering_key)` over `<outbox>_ord_open`) on the
-/// second of two identical scans, after 50 of each key's 60 rows were dispatched (20 keys,
+/// The fewest heap reads of one key-walk step (`min(ordering_key)` over `<outbox>_ord_open`)
+/// in the scans after the first of up to 20 identical ones, after 50 of each key's 60 rows were dispatched (20 keys,
 /// rows interleaved; autovacuum off, so only the scans can mark entries dead). The first
 /// key's entries (two row versions each: the ordering trigger numbers a row with an update)
 /// share one leaf page, and deduplicated one posting list, which then mixes dispatched rows
@@ -1038,8 +1038,13 @@ async fn second_walk_heap_fetches(pool: &sqlx::PgPool) -> i64 {
         .execute(&mut *conn)
         .await
         .unwrap();
+    // A scan can mark an entry dead only once no transaction (of any test running beside this
+    // one) may still see its row: scan again, up to 20 times, until one reads almost nothing.
     let mut fetches = Vec::new();
-    for _ in 0..2 {
+    for scan in 0..20 {
+        if scan > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
         let plan: serde_json::Value = sqlx::query_scalar(
             "EXPLAIN (ANALYZE, FORMAT JSON) SELECT min(ordering_key) FROM trellis_outbox \
              WHERE ordering_key IS NOT NULL AND state IN ('pending', 'failed', 'claimed') \
@@ -1058,13 +1063,16 @@ async fn second_walk_heap_fetches(pool: &sqlx::PgPool) -> i64 {
             own + below
         }
         fetches.push(heap_fetches(&plan[0]["Plan"]));
+        if scan > 0 && fetches[scan] < 20 {
+            break;
+        }
     }
     assert!(
         fetches[0] >= 80,
         "the first scan reads the dispatched rows: {fetches:?}"
     );
-    eprintln!("key walk heap reads, first and second scan: {fetches:?}");
-    fetches[1]
+    eprintln!("key walk heap reads, scan by scan: {fetches:?}");
+    fetches[1..].iter().copied().min().unwrap_or(fetches[0])
 }
 
 /// Version 9: with `<outbox>_ord_open` deduplicated (version 8), the entries of a key's
