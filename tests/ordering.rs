@@ -576,6 +576,52 @@ async fn a_claim_publishes_a_run_of_a_key_one_row_at_a_time_on_postgres() {
     db.close().await;
 }
 
+/// A row in the middle of a claimed run that cannot be decoded (another writer stored an
+/// unknown kind) goes dead, and the rows of its key behind it are held and released
+/// unattempted: with `block` the key then waits behind the dead row; the other key's run
+/// goes out in order in the same claim.
+#[tokio::test]
+async fn a_poisoned_row_in_a_run_holds_the_rows_behind_it_on_postgres() {
+    let db = TestPg::new().await;
+    migrate(&db.pool).await.unwrap();
+    let ids = head_of_line_rows(&db.pool, HeadOfLine::Block).await;
+    sqlx::query("UPDATE trellis_outbox SET kind = 'no-such-kind' WHERE id = $1")
+        .bind(&ids["a1"])
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let repo = PgOutboxRepository::new(db.pool.clone());
+    let publisher = RecordingPublisher::new();
+    let report = dispatch_outbox(&repo, &publisher, options()).await.unwrap();
+    assert_eq!((report.dispatched, report.dead), (4, 1), "{report:?}");
+    let name = |id: &String| ids.iter().find(|(_, v)| *v == id).unwrap().0.clone();
+    let names: Vec<String> = published(&publisher).iter().map(name).collect();
+    let b: Vec<&String> = names.iter().filter(|n| n.starts_with('b')).collect();
+    assert_eq!(b, ["b0", "b1", "b2"]);
+    assert_eq!(names.iter().filter(|n| n.starts_with('a')).count(), 1);
+    assert_eq!(publisher.attempt_count(&ids["a2"]), 0);
+    let row = |id: String| {
+        let pool = db.pool.clone();
+        async move {
+            let row: (String, i32, bool) = sqlx::query_as(
+                "SELECT state, attempts, claimed_until IS NOT NULL OR claim_token IS NOT NULL \
+                 FROM trellis_outbox WHERE id = $1",
+            )
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            row
+        }
+    };
+    assert_eq!(row(ids["a1"].clone()).await.0, "dead");
+    // a2 was released, not leased and not failed; it waits behind the dead a1.
+    assert_eq!(row(ids["a2"].clone()).await, ("pending".into(), 0, false));
+    drain(&repo, &publisher).await;
+    assert_eq!(publisher.attempt_count(&ids["a2"]), 0);
+    db.close().await;
+}
+
 /// `ClaimRequest::published`: rows the claimer published and is still marking count as
 /// dispatched, so a claim made while their marks run may take the rows behind them; without
 /// it the rows behind a leased row wait.

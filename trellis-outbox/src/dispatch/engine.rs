@@ -127,8 +127,9 @@ impl Wave {
             .messages
             .iter()
             .zip(results)
-            .filter(|(m, result)| matches!(result, Some(Ok(_))) && claim.keyed.contains(&m.id))
-            .map(|(m, _)| m.id.clone())
+            .enumerate()
+            .filter(|(i, (_, result))| matches!(result, Some(Ok(_))) && claim.place(*i).is_keyed())
+            .map(|(_, (m, _))| m.id.clone())
             .collect();
         self.settled.extend(ids.iter().cloned());
         ids

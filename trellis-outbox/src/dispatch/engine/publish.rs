@@ -1,7 +1,6 @@
 //! The executor stage of a drain: runs the publisher on a claimed batch while keeping the
 //! batch's lease, so a row is never published by two holders at once.
 
-use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
@@ -10,6 +9,7 @@ use tokio::time::{Instant, sleep_until};
 use tracing::Instrument;
 
 use super::{Engine, Leased, PublishResult, Published, deadline};
+use crate::dispatch::claim::Ahead;
 use crate::dispatch::error::{DispatchError, panic_message};
 use crate::dispatch::publisher::{PublishError, Publisher};
 use crate::dispatch::repository::{Claim, OutboxRepository};
@@ -231,7 +231,7 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
     /// its next extension look like a lost lease.
     async fn publish_rounds(&self, claim: &Claim) -> (Vec<Option<PublishResult>>, Vec<usize>) {
         let messages = &claim.messages;
-        if claim.after.is_empty() {
+        if !claim.has_runs() {
             let results = self
                 .call_publisher(messages)
                 .await
@@ -241,22 +241,27 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
             return (results, Vec::new());
         }
         let mut results: Vec<Option<PublishResult>> = messages.iter().map(|_| None).collect();
-        // Decided rows (published or failed): a row goes once the row ahead of it was
-        // published. Rows whose row ahead failed, or is not in the claim as a message (it was
+        // A row goes once the row ahead of it was published (an earlier round). Rows whose
+        // row ahead failed or was held, or is not in the claim as a message (it was
         // poisoned), are held.
-        let mut published: HashSet<&str> = HashSet::new();
-        let mut waiting: Vec<usize> = (0..messages.len()).collect();
-        loop {
-            let (ready, rest): (Vec<usize>, Vec<usize>) = waiting.iter().partition(|&&i| {
-                claim
-                    .after
-                    .get(&messages[i].id)
-                    .is_none_or(|ahead| published.contains(ahead.as_str()))
-            });
+        let mut held = Vec::new();
+        let mut start = 0;
+        while start < messages.len() {
+            let round = claim.place(start).round;
+            let end = (start..messages.len())
+                .find(|&i| claim.place(i).round != round)
+                .unwrap_or(messages.len());
+            let (ready, waiting): (Vec<usize>, Vec<usize>) =
+                (start..end).partition(|&i| match claim.place(i).ahead {
+                    Ahead::Unkeyed | Ahead::Head => true,
+                    Ahead::Behind(ahead) => matches!(results.get(ahead), Some(Some(Ok(_)))),
+                    Ahead::Held => false,
+                });
+            held.extend(waiting);
+            start = end;
             let Some((&first, &last)) = ready.first().zip(ready.last()) else {
-                break;
+                continue;
             };
-            waiting = rest;
             // `Claim::order_runs` put each round next to each other: no copy then.
             let outcomes = if last - first + 1 == ready.len() {
                 self.call_publisher(&messages[first..=last]).await
@@ -266,13 +271,10 @@ impl<R: OutboxRepository, P: Publisher> Engine<'_, R, P> {
                 self.call_publisher(&round).await
             };
             for (&i, outcome) in ready.iter().zip(outcomes) {
-                if outcome.is_ok() {
-                    published.insert(messages[i].id.as_str());
-                }
                 results[i] = Some(outcome);
             }
         }
-        (results, waiting)
+        (results, held)
     }
 
     /// Releases the rows `publish_rounds` held back behind a failed row of their key.

@@ -287,9 +287,9 @@ async fn a_claim_takes_runs_of_keys_in_rounds() {
     let claim = repo.claim_due(4, LEASE, None).await.unwrap();
     // Rounds: the first row of each key (and unkeyed rows), then the second, …
     assert_eq!(ids(&claim), ["a1", "b1", "a2", "a3"]);
-    assert_eq!(claim.after.get("a2").map(String::as_str), Some("a1"));
-    assert_eq!(claim.after.get("a3").map(String::as_str), Some("a2"));
-    assert!(!claim.after.contains_key("b1"));
+    assert_eq!(claim.ahead_of("a2"), Some("a1"));
+    assert_eq!(claim.ahead_of("a3"), Some("a2"));
+    assert_eq!(claim.ahead_of("b1"), None);
     assert_eq!(ids(&repo.claim_due(10, LEASE, None).await.unwrap()), ["u"]);
 
     // a4 waits behind a1–a3 (leased) until they are published: then it is claimable
