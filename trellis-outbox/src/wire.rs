@@ -58,6 +58,11 @@ pub(crate) fn id_problem(id: &str) -> Option<String> {
     if id.is_empty() {
         return Some("is empty".into());
     }
+    // Printable ASCII (a ULID) holds no control character and no whitespace: the common
+    // case, read byte by byte (this runs for every claimed row).
+    if id.bytes().all(|b| b.is_ascii_graphic()) {
+        return None;
+    }
     if let Some(c) = id.chars().find(|c| c.is_control()) {
         return Some(format!(
             "contains the control character {c:?}; the id is sent as the `{NATS_MSG_ID}` header"
@@ -91,6 +96,13 @@ pub(crate) fn header_name_problem(name: &str) -> Option<String> {
 /// (HTTP field values, which NATS headers follow, allow only visible characters, space and
 /// tab; NUL, ESC or DEL reach consumers as garbage or break their parsers).
 pub(crate) fn header_value_problem(name: &str, value: &str) -> Option<String> {
+    // Printable ASCII, space and tab: the common case, read byte by byte.
+    if value
+        .bytes()
+        .all(|b| b == b'\t' || (b' '..=b'~').contains(&b))
+    {
+        return None;
+    }
     if value.contains(['\r', '\n']) {
         return Some(format!(
             "value of {name:?} contains a line break (CR or LF)"
@@ -155,6 +167,36 @@ mod tests {
     use std::str::FromStr;
 
     use super::*;
+
+    /// The byte-wise fast paths decide as the character rules do, for every character of
+    /// the Basic Multilingual Plane (and some beyond) in the middle of an id, a subject and
+    /// a header value.
+    #[test]
+    fn fast_paths_agree_with_the_character_rules() {
+        for c in (0..=0xffff_u32)
+            .chain([0x1_0000, 0x1_f600, 0x10_ffff])
+            .filter_map(char::from_u32)
+        {
+            assert_eq!(
+                id_problem(&format!("a{c}b")).is_some(),
+                c.is_control(),
+                "{c:?}"
+            );
+            let subject = format!("events.a{c}b");
+            let bad_subject = crate::subject::is_js_whitespace(c) || c.is_ascii_control();
+            assert_eq!(
+                crate::subject::subject_problem(&subject).is_some(),
+                bad_subject,
+                "{c:?}"
+            );
+            let bad_value = c.is_control() && c != '\t';
+            assert_eq!(
+                header_value_problem("X", &format!("a{c}b")).is_some(),
+                bad_value,
+                "{c:?}"
+            );
+        }
+    }
 
     #[test]
     fn ids() {
