@@ -245,31 +245,28 @@ impl Claim {
         }
         drop(index);
         if places.iter().any(|place| place.round > 0) {
-            // Stable, so each round stays in dispatch order, and next to each other.
-            let mut order: Vec<usize> = (0..places.len()).collect();
-            order.sort_by_key(|&i| places[i].round);
-            let mut moved_to = vec![0; order.len()];
-            for (to, &from) in order.iter().enumerate() {
-                moved_to[from] = to;
-            }
-            let mut messages: Vec<Option<OutboxMessage>> = std::mem::take(&mut self.messages)
+            // Stable, so each round stays in dispatch order, and next to each other; each
+            // message keeps its place, and the row ahead it names moves with its message.
+            let mut placed: Vec<(usize, Place, OutboxMessage)> = places
                 .into_iter()
-                .map(Some)
+                .zip(std::mem::take(&mut self.messages))
+                .enumerate()
+                .map(|(from, (place, message))| (from, place, message))
                 .collect();
-            self.messages = order
-                .iter()
-                .filter_map(|&from| messages[from].take())
-                .collect();
-            places = order
-                .iter()
-                .map(|&from| {
-                    let mut place = places[from];
+            placed.sort_by_key(|(_, place, _)| place.round);
+            let mut moved_to = vec![0; placed.len()];
+            for (to, (from, _, _)) in placed.iter().enumerate() {
+                moved_to[*from] = to;
+            }
+            (places, self.messages) = placed
+                .into_iter()
+                .map(|(_, mut place, message)| {
                     if let Ahead::Behind(i) = place.ahead {
                         place.ahead = Ahead::Behind(moved_to[i]);
                     }
-                    place
+                    (place, message)
                 })
-                .collect();
+                .unzip();
         }
         self.places = places;
     }
