@@ -29,10 +29,10 @@ pub(crate) const SCHEMA: Schema = Schema {
 /// dead. A key's posting list mixes its dispatched rows with its open ones, so none was ever
 /// marked: until a vacuum, each step of the key walk read the heap for every row its key had
 /// dispatched since the last one (in the relay bench's 100,000-row drain, up to 11,000 heap
-/// reads for the walk of one claim, and up to a third of its time or more). Without posting lists each entry
-/// is marked on the first scan that finds its row dead. Posting lists already built stay
-/// until a vacuum removes their dead rows; nothing is rebuilt. Reverted by resetting the
-/// option.
+/// reads for the walk of one claim, and up to a third of its time or more). Without posting
+/// lists each entry is marked on the first scan that finds its row dead. Posting lists
+/// already built stay until a vacuum removes their dead rows; nothing is rebuilt. Reverted
+/// by resetting the option.
 fn open_keys_undeduplicated(o: &str) -> Ddl {
     Ddl {
         up: vec![format!(
